@@ -1,0 +1,1 @@
+"""async_rlhf: asynchronous RL for language models."""

@@ -1,0 +1,78 @@
+"""Client of the buffer service: one DEALER socket, one request at a time, every wait bounded."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Any
+
+import zmq
+
+from async_rlhf.types import Group
+from async_rlhf.wire import decode, encode
+
+
+class BufferUnavailable(RuntimeError):
+    """The service did not answer in time: it is down, overloaded or at the wrong address."""
+
+
+class BufferRequestError(RuntimeError):
+    """The service refused a request; the message carries its reason."""
+
+
+class BufferClient:
+    def __init__(self, address: str, timeout_s: float = 30.0, max_message_bytes: int = 64 << 20) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self.max_bytes = max_message_bytes
+        self._ids = itertools.count(1)
+        self._ctx = zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(address)
+
+    def close(self) -> None:
+        self._sock.close(0)
+
+    def request(self, kind: str, timeout_s: float | None = None, **fields: Any) -> dict[str, Any]:
+        req_id = next(self._ids)
+        self._sock.send(encode(kind, req_id=req_id, **fields))
+        deadline = time.monotonic() + (timeout_s if timeout_s is not None else self.timeout_s)
+        while True:
+            left_ms = int((deadline - time.monotonic()) * 1000)
+            if left_ms <= 0 or not self._sock.poll(left_ms):
+                raise BufferUnavailable(
+                    f"buffer service at {self.address} did not answer a '{kind}' request within "
+                    f"{timeout_s or self.timeout_s:.0f} s; check that it is running (buffer.request_timeout_s)"
+                )
+            reply = decode(self._sock.recv(), self.max_bytes)
+            if reply.get("req_id") not in (req_id, None):
+                continue  # the late answer to a request that already timed out
+            if reply["kind"] == "error":
+                raise BufferRequestError(f"buffer refused '{kind}': {reply.get('detail')}")
+            return reply
+
+    # -- typed helpers -----------------------------------------------------------------------
+    def admit(self, want: int) -> tuple[int, int]:
+        r = self.request("admit", want=want)
+        return int(r["granted"]), int(r["version"])
+
+    def put(self, group: Group) -> bool:
+        return bool(self.request("put", group=group.to_wire())["accepted"])
+
+    def release(self, n: int) -> None:
+        self.request("release", n=n)
+
+    def get(self, n: int, version: int, wait_s: float = 1.0) -> list[Group]:
+        r = self.request("get", timeout_s=wait_s + self.timeout_s, n=n, version=version, wait_s=wait_s)
+        return [Group.from_wire(g) for g in r["groups"]]
+
+    def ack(self, group_ids: list[str]) -> int:
+        return int(self.request("ack", group_ids=list(group_ids))["acked"])
+
+    def set_version(self, version: int) -> None:
+        self.request("set_version", version=version)
+
+    def stats(self, ledger: bool = False) -> dict[str, Any]:
+        r = self.request("stats", ledger=ledger)
+        return {k: v for k, v in r.items() if k not in ("schema", "kind", "req_id")}

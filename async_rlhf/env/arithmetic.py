@@ -1,0 +1,93 @@
+"""The addition task: short prompts with a verifiable integer answer and a binary reward.
+
+Format: operands zero-padded to ``digits`` characters, answer as the plain decimal sum (no padding), e.g. with
+``digits=2``: prompt ``"07+45="``, answer ``"52"``. The SFT target is the answer; the SFT appends eos.
+
+Reward rule: leading whitespace of the completion is stripped, then the maximal run of leading digits is
+compared with the answer as a string. Anything after that run (the eos string, padding, more text) is ignored;
+an empty run, a different number or extra leading zeros score 0.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Problem:
+    a: int
+    b: int
+    prompt: str
+    answer: str
+
+
+def _leading_digits(text: str) -> str:
+    text = text.lstrip()
+    end = 0
+    while end < len(text) and text[end] in "0123456789":
+        end += 1
+    return text[:end]
+
+
+def score_completion(problem: Problem, completion_text: str) -> float:
+    """The reward rule of the module docstring; needs no task instance."""
+    return 1.0 if _leading_digits(completion_text) == problem.answer else 0.0
+
+
+class AdditionTask:
+    """``a + b`` with operands in ``[0, 10**digits)``; a fixed held-out split never appears in training."""
+
+    def __init__(self, digits: int = 2, heldout_size: int = 200, seed: int = 0) -> None:
+        if digits < 1:
+            raise ValueError(f"digits must be at least 1, got {digits}")
+        self.digits = digits
+        self.seed = seed
+        self.space = 10 ** (2 * digits)
+        if not 0 <= heldout_size <= self.space // 2:
+            raise ValueError(
+                f"heldout_size={heldout_size} must be between 0 and half of the {self.space} possible problems "
+                f"with digits={digits}"
+            )
+        # A separate stream from training: the held-out set depends on the seed only.
+        rng = random.Random(f"addition-heldout-{digits}-{seed}")
+        codes = rng.sample(range(self.space), heldout_size)
+        self._heldout_codes = frozenset(codes)
+        self._heldout = [self.make(*divmod(code, 10**digits)) for code in codes]
+
+    def make(self, a: int, b: int) -> Problem:
+        """The problem ``a + b`` in this task's format."""
+        return Problem(a=a, b=b, prompt=f"{a:0{self.digits}d}+{b:0{self.digits}d}=", answer=str(a + b))
+
+    def heldout(self) -> list[Problem]:
+        """The held-out problems (fixed order, deterministic from the seed)."""
+        return list(self._heldout)
+
+    def is_heldout(self, problem: Problem) -> bool:
+        return problem.a * 10**self.digits + problem.b in self._heldout_codes
+
+    def train_problems(self, seed: int) -> Iterator[Problem]:
+        """Infinite deterministic stream of uniformly drawn training problems (held-out ones skipped)."""
+        rng = random.Random(f"addition-train-{self.digits}-{seed}")
+        while True:
+            code = rng.randrange(self.space)
+            if code in self._heldout_codes:
+                continue
+            yield self.make(*divmod(code, 10**self.digits))
+
+    def reward(self, problem: Problem, completion_text: str) -> float:
+        """1.0 when the leading digit run of the completion equals the answer, else 0.0 (see module doc)."""
+        return score_completion(problem, completion_text)
+
+    def completion_target(self, problem: Problem) -> str:
+        """What the SFT trains on after the prompt (eos appended by the SFT)."""
+        return problem.answer
+
+    @property
+    def max_prompt_chars(self) -> int:
+        return 2 * self.digits + 2
+
+    @property
+    def max_answer_chars(self) -> int:
+        return self.digits + 1

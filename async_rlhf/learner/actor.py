@@ -1,0 +1,209 @@
+"""Learner rank: one DeepSpeed engine (ZeRO 0-3), the training loop, and (rank 0) the weight push.
+
+    per step s (version v = s // push_every):
+      get batch_size/M groups from the buffer at version v   (stale ones are dropped there)
+      collate -> forward -> policy_loss (+ KL to the reference) -> backward -> optimizer step
+      ack the trained group ids
+      every push_every steps: v += 1; rank 0 tells generators "v is coming", broadcasts the weights,
+      waits for every acknowledgement, then tells the buffer v is live (admission opens one more batch)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from async_rlhf.config import Config
+
+log = logging.getLogger(__name__)
+
+
+class LearnerActor:
+    def __init__(self, rank: int, world_size: int, cfg: Config, model_path: str, master_addr: str,
+                 master_port: int, buffer_address: str) -> None:
+        import deepspeed
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        torch.set_num_threads(cfg.learner.threads)
+        torch.manual_seed(cfg.train.seed + rank)
+        os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": "0",
+                           "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)})
+        deepspeed.init_distributed(dist_backend=cfg.learner.backend, auto_mpi_discovery=False)
+        self.rank, self.world_size, self.cfg = rank, world_size, cfg
+        self.model_path = model_path
+        self.buffer_address = buffer_address
+        dtype = getattr(torch, cfg.model.dtype)
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+        model.config.use_cache = False
+        self.pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+        per_rank = cfg.train.batch_size // world_size * cfg.train.group_size
+        ds_config = {
+            "train_batch_size": per_rank * world_size,
+            "train_micro_batch_size_per_gpu": per_rank,
+            "gradient_accumulation_steps": 1,
+            "gradient_clipping": cfg.train.grad_clip,
+            "zero_optimization": {"stage": cfg.learner.zero_stage},
+            "zero_allow_untested_optimizer": True,
+            "bf16": {"enabled": cfg.model.dtype == "bfloat16"},
+            "fp16": {"enabled": cfg.model.dtype == "float16"},
+            "steps_per_print": 10**9,
+        }
+        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+        self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+        self.ref_model = None
+        if cfg.train.objective.kl_coef > 0:
+            self.ref_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
+            self.ref_model.requires_grad_(False)
+        self.version = 0
+        self.step = 0
+        self.metrics: list[dict[str, Any]] = []
+        self._lock = threading.Lock()
+        self._sender = None
+        self._generators: list[Any] = []
+
+    def ready(self) -> int:
+        return self.rank
+
+    # -- weight push (rank 0) ----------------------------------------------------------------
+    def weight_layout(self) -> list[dict[str, Any]]:
+        from async_rlhf.sync.layout import TensorSpec, layout_to_wire, plan_buckets
+        from async_rlhf.sync.sender import dtype_name
+
+        with self._full_params() as params:
+            specs = [TensorSpec(n, tuple(p.shape), dtype_name(p)) for n, p in params.items()]
+        self._buckets = plan_buckets(specs, self.cfg.sync.bucket_mb << 20)
+        return layout_to_wire(self._buckets)
+
+    def init_weight_sync(self, host: str, port: int, generators: list[Any]) -> None:
+        """Rank 0 joins the push group as its rank 0 (and hosts its TCPStore)."""
+        from async_rlhf.sync.group import make_group
+        from async_rlhf.sync.sender import WeightSender
+
+        world = len(generators) + 1
+        pg = make_group(host, port, world, 0, self.cfg.sync.backend, self.cfg.sync.timeout_s)
+        self._sender = WeightSender(pg, self._buckets, len(generators), self.cfg.sync.timeout_s)
+        self._generators = generators
+
+    @contextlib.contextmanager
+    def _full_params(self):
+        """Full (gathered under ZeRO-3) parameters by Hugging Face name; collective on every rank."""
+        import deepspeed
+
+        module = self.engine.module
+        ctx = (deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None)
+               if self.cfg.learner.zero_stage == 3 else contextlib.nullcontext())
+        with ctx:
+            yield dict(module.named_parameters())
+
+    def _push(self, version: int) -> dict[str, float]:
+        import ray
+
+        with self._full_params() as params:
+            if self.rank != 0:
+                return {}
+            ray.get([g.request_update.remote(version) for g in self._generators])
+            return self._sender.push(params)
+
+    # -- training ----------------------------------------------------------------------------
+    def train(self, steps: int) -> dict[str, Any]:
+        import torch
+
+        from async_rlhf.buffer.client import BufferClient
+        from async_rlhf.learner.batch import collate, token_logprobs
+        from async_rlhf.learner.objectives import (
+            correction_saturated,
+            entropy_from_logits,
+            kl_penalty,
+            masked_mean,
+            policy_loss,
+        )
+
+        cfg = self.cfg
+        client = BufferClient(self.buffer_address, cfg.buffer.request_timeout_s)
+        share = cfg.train.batch_size // self.world_size
+        self.engine.train()
+        try:
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                trained_at = self.version
+                groups = []
+                while len(groups) < share:
+                    groups += client.get(share - len(groups), self.version, wait_s=2.0)
+                t_data = time.perf_counter()
+                batch = collate(groups, self.pad_id, cfg.train.advantage)
+                out = self.engine(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
+                logp = token_logprobs(out.logits, batch.input_ids)
+                mask = batch.loss_mask
+                adv = batch.advantages.unsqueeze(1).expand_as(logp)
+                # one optimizer step per batch: the proximal policy is the current weights, detached
+                loss, m = policy_loss(logp, logp.detach(), batch.behav_logp, adv, mask, cfg.train.objective,
+                                      token_versions=batch.versions, current_version=self.version,
+                                      prox_version=self.version)
+                if self.ref_model is not None:
+                    with torch.no_grad():
+                        ref_logp = token_logprobs(self.ref_model(input_ids=batch.input_ids,
+                                                                 attention_mask=batch.attention_mask).logits,
+                                                  batch.input_ids)
+                    kl = masked_mean(kl_penalty(logp, ref_logp, mask, cfg.train.objective.kl_estimator), mask)
+                    loss = loss + cfg.train.objective.kl_coef * kl
+                    m["ppo/kl_ref"] = float(kl.item())
+                self.engine.backward(loss)
+                self.engine.step()
+                client.ack(batch.group_ids)
+                self.step += 1
+                t_train = time.perf_counter()
+                push: dict[str, float] = {}
+                if self.step % cfg.train.push_every == 0:
+                    push = self._push(self.version + 1)
+                    self.version += 1
+                    if self.rank == 0:
+                        client.set_version(self.version)
+                t_end = time.perf_counter()
+                stale = trained_at - batch.versions[mask > 0]
+                if correction_saturated(m):
+                    log.warning("step %d: importance weights saturate the correction (%s); samples are too "
+                                "off-policy for is_cap=%s", self.step, m, cfg.train.objective.is_cap)
+                with torch.no_grad():
+                    entropy = entropy_from_logits(out.logits[:, :-1], mask)
+                record = {
+                    "step": self.step, "version": self.version, "rank": self.rank, "time": time.time(),
+                    "optim/loss": float(loss.item()), "optim/lr": cfg.train.lr,
+                    "rollout/reward_mean": float(batch.rewards.mean().item()),
+                    "rollout/samples": len(batch.rewards), "rollout/tokens": batch.num_tokens,
+                    "staleness/mean": float(stale.float().mean().item()) if stale.numel() else 0.0,
+                    "staleness/max": int(stale.max().item()) if stale.numel() else 0,
+                    "ppo/entropy": float(entropy.item()),
+                    "time/data_wait_s": t_data - t0, "time/train_s": t_train - t_data, "time/push_s": t_end - t_train,
+                    **m, **push,
+                }
+                with self._lock:
+                    self.metrics.append(record)
+        finally:
+            client.close()
+        return {"step": self.step, "version": self.version}
+
+    def metrics_since(self, index: int) -> list[dict[str, Any]]:
+        with self._lock:
+            return self.metrics[index:]
+
+    def save_hf(self, out_dir: str) -> str:
+        """Write the policy as a Hugging Face model directory (tokenizer files copied from the input)."""
+        out = Path(out_dir)
+        with self._full_params():
+            if self.rank == 0:
+                tmp = out.with_name(out.name + ".tmp")
+                shutil.rmtree(tmp, ignore_errors=True)
+                self.engine.module.save_pretrained(tmp)
+                for f in Path(self.model_path).iterdir():
+                    if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
+                        shutil.copy(f, tmp / f.name)
+                shutil.rmtree(out, ignore_errors=True)
+                tmp.rename(out)
+        return str(out)

@@ -1,0 +1,251 @@
+"""One training run: place the roles on Ray, wire their addresses, train, report.
+
+    driver (this process)
+      |-- BufferActor        ZeroMQ ROUTER on loopback, memory store, staleness rule, ledger
+      |-- GeneratorActor x N vLLM engine + loop            --put--> buffer
+      |-- LearnerActor   x M DeepSpeed engine              <--get-- buffer
+      |        rank 0 ==broadcast (own TCPStore, gloo/nccl)==> every generator's vLLM worker
+      '-- progress: polls learners, generators and buffer; writes metrics.jsonl, TensorBoard, plots
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from async_rlhf.config import Config
+
+log = logging.getLogger(__name__)
+
+
+def resolve_model(cfg: Config, cache_root: Path) -> str:
+    """The policy to start from: ``model.path``, or the tiny model with its SFT warm start (cached)."""
+    if cfg.model.path:
+        return str(Path(cfg.model.path).resolve())
+    from async_rlhf.tiny.sft import prepare_tiny_policy
+
+    return str(prepare_tiny_policy(cache_root, cfg.task, seed=cfg.train.seed))
+
+
+def heldout_accuracy(model_dir: str, cfg: Config) -> float:
+    """Greedy held-out accuracy of a Hugging Face model directory, with transformers (independent of vLLM)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from async_rlhf.env.registry import make_task
+    from async_rlhf.tiny.sft import greedy_accuracy
+    from async_rlhf.tiny.tokenizer import load_tokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    task = make_task(cfg.task, cfg.train.seed)
+    return greedy_accuracy(model, load_tokenizer(model_dir), task.heldout(), cfg.generator.max_new_tokens)
+
+
+def _generator_env(cfg: Config) -> dict[str, str]:
+    return {
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_CPU_KVCACHE_SPACE": str(cfg.generator.kv_cache_gib),
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "OMP_NUM_THREADS": str(cfg.generator.threads),
+        "VLLM_LOGGING_LEVEL": "ERROR",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+
+
+class Cluster:
+    """Handles to the started roles (the integration tests inspect them after a run)."""
+
+    def __init__(self, cfg: Config, model_path: str, address: str | None = None) -> None:
+        import ray
+
+        from async_rlhf.buffer.actor import BufferActor
+        from async_rlhf.generator.actor import GeneratorActor
+        from async_rlhf.learner.actor import LearnerActor
+        from async_rlhf.sync.group import free_port
+
+        self.cfg = cfg
+        self.model_path = model_path
+        if not ray.is_initialized():
+            roles = cfg.generators + cfg.learners + 1
+            ray.init(address=address, include_dashboard=False, log_to_driver=True,
+                     num_cpus=None if address else max(os.cpu_count() or 1, roles),
+                     runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+        self.buffer = ray.remote(BufferActor).options(num_cpus=0).remote(cfg)
+        self.buffer_address = ray.get(self.buffer.address.remote())
+        gen_cls = ray.remote(GeneratorActor).options(
+            num_cpus=1, max_concurrency=4, runtime_env={"env_vars": _generator_env(cfg)})
+        self.generators = [gen_cls.remote(i, cfg, model_path, self.buffer_address) for i in range(cfg.generators)]
+        master_port = free_port()
+        learner_cls = ray.remote(LearnerActor).options(
+            num_cpus=1, max_concurrency=3,
+            runtime_env={"env_vars": {"OMP_NUM_THREADS": str(cfg.learner.threads)}})
+        self.learners = [learner_cls.remote(r, cfg.learners, cfg, model_path, "127.0.0.1", master_port,
+                                            self.buffer_address) for r in range(cfg.learners)]
+        ray.get([g.ready.remote() for g in self.generators] + [lr.ready.remote() for lr in self.learners])
+        # the push group: learner rank 0 and every generator, on a TCPStore of its own
+        layout = ray.get([lr.weight_layout.remote() for lr in self.learners])[0]
+        port = free_port()
+        world = cfg.generators + 1
+        ray.get([self.learners[0].init_weight_sync.remote("127.0.0.1", port, self.generators)]
+                + [g.init_weight_sync.remote("127.0.0.1", port, world, i + 1, layout)
+                   for i, g in enumerate(self.generators)])
+
+    def shutdown(self) -> None:
+        import ray
+
+        ray.shutdown()
+
+
+def _progress_line(rec: dict[str, Any], steps: int, acc: str, tok_s: float, depth: int, elapsed: float) -> str:
+    return (f"step {rec['step']:>4}/{steps} | v{rec['version']:<4} | reward {rec['rollout/reward_mean']:.3f} | "
+            f"held-out acc {acc} | gen {tok_s:7.0f} tok/s | staleness {rec['staleness/mean']:.2f} | "
+            f"buffer {depth:>3} | {elapsed:5.0f}s")
+
+
+def train(cfg: Config, cluster: Cluster, run_dir: Path) -> dict[str, Any]:
+    """Run the learners for ``train.steps`` while the generators stream rollouts; returns run figures."""
+    import ray
+
+    from async_rlhf.buffer.client import BufferClient
+    from async_rlhf.metrics import MetricsWriter
+
+    writer = MetricsWriter(run_dir)
+    buffer = BufferClient(cluster.buffer_address, cfg.buffer.request_timeout_s)
+    t_start = time.time()
+    gen_runs = [g.run.remote() for g in cluster.generators]
+    train_refs = [lr.train.remote(cfg.train.steps) for lr in cluster.learners]
+    records: list[dict[str, Any]] = []
+    seen_evals = 0
+    last_print = 0.0
+    last_tok, last_t = 0.0, time.time()
+    tok_s = 0.0
+    acc = "  -  "
+    evals: list[dict[str, float]] = []
+    try:
+        pending = list(train_refs)
+        while pending:
+            done, pending = ray.wait(pending, timeout=0.5)
+            ray.get(done)  # surfaces a learner failure at once
+            new = ray.get(cluster.learners[0].metrics_since.remote(len(records)))
+            gen_stats = ray.get([g.stats.remote() for g in cluster.generators])
+            buf = buffer.stats()
+            tokens = sum(s["tokens"] for s in gen_stats)
+            now = time.time()
+            if now - last_t >= 1.0:
+                tok_s, last_tok, last_t = (tokens - last_tok) / (now - last_t), tokens, now
+            evals = gen_stats[0]["evals"]
+            for ev in evals[seen_evals:]:
+                writer.write({"kind": "eval", "version": ev["version"], "eval/heldout_accuracy": ev["accuracy"]},
+                             int(ev["version"]))
+                acc = f"{ev['accuracy']:.3f}@v{int(ev['version'])}"
+            seen_evals = len(evals)
+            for rec in new:
+                rec.update({"rollout/gen_tokens_per_s": tok_s, "buffer/depth": buf["buffer/depth"],
+                            "buffer/dropped_stale": buf.get("buffer/dropped_stale", 0)})
+                writer.write(rec, rec["step"])
+            records += new
+            if records and now - last_print >= cfg.run.log_every_s:
+                last_print = now
+                print(_progress_line(records[-1], cfg.train.steps, acc, tok_s, buf["buffer/depth"], now - t_start),
+                      flush=True)
+        wall = time.time() - t_start
+    finally:
+        for g in cluster.generators:
+            g.stop.remote()
+        buffer.close()
+        writer.close()
+    gen_final = ray.get(gen_runs)
+    leftover = ray.get(cluster.buffer.drop_held.remote("unconsumed_at_shutdown"))
+    if leftover:
+        print(f"{leftover} finished prompt group(s) were still in the buffer at the end: counted as dropped "
+              "(unconsumed_at_shutdown)", flush=True)
+    tokens = sum(s["tokens"] for s in gen_final)
+    push_times = [r["sync/push_s"] for r in records if "sync/push_s" in r]
+    return {
+        "records": records,
+        "evals": gen_final[0]["evals"] if gen_final else evals,
+        "wall_time_s": wall,
+        "generated_tokens_per_s": tokens / wall,
+        "learner_samples_per_s": sum(r["rollout/samples"] for r in records) / wall,
+        "weight_push_s": sum(push_times) / len(push_times) if push_times else 0.0,
+        "generator_stats": gen_final,
+    }
+
+
+def plot_learning_curve(records: list[dict[str, Any]], evals: list[dict[str, float]], path: Path,
+                        start_acc: float | None = None, end_acc: float | None = None) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(1, 2, figsize=(11, 4))
+    steps = [r["step"] for r in records]
+    ax[0].plot(steps, [r["rollout/reward_mean"] for r in records], lw=0.8, alpha=0.5, label="batch reward")
+    k = 10
+    if len(records) >= k:
+        smooth = [sum(r["rollout/reward_mean"] for r in records[i - k:i]) / k for i in range(k, len(records) + 1)]
+        ax[0].plot(steps[k - 1:], smooth, lw=2, label=f"reward ({k}-step mean)")
+    if evals:
+        ax[0].plot([e["version"] for e in evals], [e["accuracy"] for e in evals], "o-", label="held-out greedy (vLLM)")
+    if start_acc is not None and end_acc is not None and steps:
+        ax[0].plot([0, steps[-1]], [start_acc, end_acc], "k*", ms=10, label="held-out greedy (transformers)")
+    ax[0].set_xlabel("learner step")
+    ax[0].set_ylabel("reward / accuracy")
+    ax[0].set_ylim(0, 1)
+    ax[0].legend(loc="lower right")
+    ax[0].set_title("learning curve")
+    t0 = records[0]["time"] if records else 0
+    ax[1].plot([r["time"] - t0 for r in records], [r["rollout/reward_mean"] for r in records], lw=0.8)
+    ax[1].set_xlabel("wall time since first step (s)")
+    ax[1].set_ylabel("batch reward")
+    ax[1].set_ylim(0, 1)
+    ax[1].set_title("reward against wall time")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def run(cfg: Config, address: str | None = None, cache_root: Path = Path("runs/cache")) -> dict[str, Any]:
+    """Everything ``launch/cluster.py`` does after validation; returns the summary it writes."""
+    run_dir = Path(cfg.run.dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_text(cfg.to_json())
+    t0 = time.time()
+    model_path = resolve_model(cfg, cache_root)
+    start_acc = heldout_accuracy(model_path, cfg)
+    print(f"policy {model_path}: held-out greedy accuracy {start_acc:.3f} before RL", flush=True)
+    cluster = Cluster(cfg, model_path, address)
+    try:
+        print(f"started {cfg.generators} generator(s), {cfg.learners} learner(s), buffer at "
+              f"{cluster.buffer_address} in {time.time() - t0:.0f}s", flush=True)
+        figures = train(cfg, cluster, run_dir)
+        import ray
+
+        policy_dir = ray.get(cluster.learners[0].save_hf.remote(str((run_dir / "policy").resolve())))
+    finally:
+        cluster.shutdown()
+    end_acc = heldout_accuracy(policy_dir, cfg)
+    plot_learning_curve(figures["records"], figures["evals"], run_dir / "learning_curve.png", start_acc, end_acc)
+    summary = {
+        "accuracy_start": start_acc,
+        "accuracy_end": end_acc,
+        "wall_time_s": time.time() - t0,
+        "train_wall_time_s": figures["wall_time_s"],
+        "generated_tokens_per_s": figures["generated_tokens_per_s"],
+        "learner_samples_per_s": figures["learner_samples_per_s"],
+        "weight_push_s": figures["weight_push_s"],
+        "steps": cfg.train.steps,
+        "final_version": figures["records"][-1]["version"] if figures["records"] else 0,
+        "policy_dir": policy_dir,
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    print(f"held-out greedy accuracy {start_acc:.3f} -> {end_acc:.3f} in {summary['wall_time_s']:.0f}s "
+          f"({summary['generated_tokens_per_s']:.0f} generated tok/s, {summary['learner_samples_per_s']:.1f} "
+          f"samples/s trained, {summary['weight_push_s'] * 1000:.0f} ms per weight push); "
+          f"run written to {run_dir}", flush=True)
+    return summary

@@ -1,0 +1,4 @@
+"""The tiny policy of the CPU demo: a character-level tokenizer, a ~0.4 M-parameter Qwen2 and its SFT warm start.
+
+Everything is built locally (no model hub), small enough that SFT and a few hundred GRPO steps fit on two cores.
+"""

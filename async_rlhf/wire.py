@@ -1,0 +1,86 @@
+"""The wire codec: msgpack maps with a schema version and a ``kind``; arrays as raw bytes.
+
+Every message on a ZeroMQ socket (and, later, in Redis) is one msgpack map::
+
+    {"schema": 1, "kind": "<one of KINDS>", ...fields}
+
+Arrays travel as ``{"dtype": "int32", "shape": [n], "data": <bytes>}`` (see :func:`pack_array`).
+Nothing received is ever unpickled; anything malformed raises :class:`WireError`, whose ``reason`` is a
+short label the receiver counts by (``malformed``, ``oversized``, ``schema``, ``unknown_kind``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+import numpy as np
+
+SCHEMA_VERSION = 1
+
+# Requests and their replies between generators, learners, the launcher and the buffer service.
+KINDS = frozenset({
+    "admit",        # generator -> buffer: may I start k new prompt groups?
+    "put",          # generator -> buffer: one finished prompt group
+    "get",          # learner -> buffer: a share of the next batch for version v
+    "ack",          # learner -> buffer: these group ids were trained on
+    "set_version",  # learner -> buffer: version v is live
+    "release",      # generator -> buffer: give back admitted slots it will not use
+    "stats",        # anyone -> buffer: counters and ledgers
+    "reply",        # buffer -> client: success
+    "error",        # buffer -> client: the request was refused, with a reason
+})
+
+ALLOWED_DTYPES = frozenset({"int32", "int64", "float32", "float64", "float16", "uint8", "bool"})
+
+
+class WireError(ValueError):
+    """A message that cannot be accepted; ``reason`` is a counter label."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+
+
+def pack_array(arr: np.ndarray) -> dict[str, Any]:
+    arr = np.ascontiguousarray(arr)
+    if arr.dtype.name not in ALLOWED_DTYPES:
+        raise WireError("malformed", f"dtype {arr.dtype.name} cannot travel; use one of {sorted(ALLOWED_DTYPES)}")
+    return {"dtype": arr.dtype.name, "shape": list(arr.shape), "data": arr.tobytes()}
+
+
+def unpack_array(obj: Any) -> np.ndarray:
+    if not isinstance(obj, dict) or set(obj) != {"dtype", "shape", "data"}:
+        raise WireError("malformed", "an array must be a map with exactly dtype, shape and data")
+    dtype, shape, data = obj["dtype"], obj["shape"], obj["data"]
+    if dtype not in ALLOWED_DTYPES or not isinstance(data, bytes) or not isinstance(shape, list):
+        raise WireError("malformed", f"bad array header dtype={dtype!r} shape={shape!r}")
+    if not all(isinstance(d, int) and d >= 0 for d in shape):
+        raise WireError("malformed", f"bad array shape {shape!r}")
+    count = int(np.prod(shape)) if shape else 1
+    if count * np.dtype(dtype).itemsize != len(data):
+        raise WireError("malformed", f"array of shape {shape} and dtype {dtype} cannot hold {len(data)} bytes")
+    return np.frombuffer(data, dtype=dtype).reshape(shape).copy()
+
+
+def encode(kind: str, **fields: Any) -> bytes:
+    if kind not in KINDS:
+        raise WireError("unknown_kind", f"cannot send kind {kind!r}")
+    return msgpack.packb({"schema": SCHEMA_VERSION, "kind": kind, **fields}, use_bin_type=True)
+
+
+def decode(frame: bytes, max_bytes: int) -> dict[str, Any]:
+    """Parse and check one frame; raises WireError with a countable reason."""
+    if len(frame) > max_bytes:
+        raise WireError("oversized", f"{len(frame)} bytes exceeds the limit of {max_bytes}")
+    try:
+        msg = msgpack.unpackb(frame, raw=False, strict_map_key=True, max_bin_len=max_bytes)
+    except Exception as exc:  # msgpack raises several unrelated types on garbage
+        raise WireError("malformed", f"not msgpack ({type(exc).__name__})") from None
+    if not isinstance(msg, dict):
+        raise WireError("malformed", f"top level must be a map, got {type(msg).__name__}")
+    if msg.get("schema") != SCHEMA_VERSION:
+        raise WireError("schema", f"schema {msg.get('schema')!r}, this build speaks {SCHEMA_VERSION}")
+    if msg.get("kind") not in KINDS:
+        raise WireError("unknown_kind", f"kind {msg.get('kind')!r}")
+    return msg

