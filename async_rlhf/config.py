@@ -187,7 +187,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "train.objective.kl_estimator": ("k1", "k2", "k3"),
     "train.advantage": ("grpo", "dr_grpo", "rloo", "reinforce_pp"),
     "generator.update_mode": ("in_flight", "drain"),
-    "buffer.store": ("memory", "redis"),
+    "buffer.store": ("memory",),
     "model.dtype": ("float32", "bfloat16", "float16"),
     "task.name": ("addition",),
     "sync.backend": ("gloo", "nccl"),
@@ -234,6 +234,8 @@ def _convert(raw: Any, hint: Any, key: str, origin: str) -> Any:
                     return False
                 raise ValueError(raw)
             return bool(raw)
+        if hint in (int, float) and isinstance(raw, bool):
+            raise ValueError(raw)  # YAML's yes/true would silently become 1
         if hint is int:
             if isinstance(raw, float) and not raw.is_integer():
                 raise ValueError(raw)
@@ -243,9 +245,8 @@ def _convert(raw: Any, hint: Any, key: str, origin: str) -> Any:
         if hint is str:
             return "" if raw is None else str(raw)
     except (TypeError, ValueError):
-        raise ConfigError(
-            f"config key '{key}' (from {origin}) wants a {hint.__name__}, got {raw!r}"
-        ) from None
+        wanted = {int: "an integer", float: "a number", bool: "true or false"}.get(hint, hint.__name__)
+        raise ConfigError(f"config key '{key}' (from {origin}) wants {wanted}, got {raw!r}") from None
     return raw
 
 

@@ -50,12 +50,12 @@ class Sample:
                 reward=float(obj["reward"]),
                 finish_reason=str(obj.get("finish_reason", "stop")),
             )
+        except WireError:
+            raise
         except (KeyError, TypeError, ValueError) as exc:
-            if isinstance(exc, WireError):
-                raise
             raise WireError("malformed", f"sample field {exc}") from None
-        n = len(s.completion_ids)
-        if s.completion_ids.ndim != 1 or len(s.logprobs) != n or len(s.versions) != n:
+        arrays = (s.completion_ids, s.logprobs, s.versions)
+        if any(a.ndim != 1 for a in arrays) or len({a.shape[0] for a in arrays}) != 1:
             raise WireError("malformed", "completion_ids, logprobs and versions must be 1-D of one length")
         return s
 
@@ -116,4 +116,6 @@ class Group:
             raise WireError("malformed", f"group field {exc}") from None
         if not g.group_id:
             raise WireError("malformed", "group_id must not be empty")
+        if g.prompt_ids.ndim != 1 or g.prompt_ids.shape[0] == 0:
+            raise WireError("malformed", "prompt_ids must be a non-empty 1-D array")
         return g

@@ -43,7 +43,7 @@ class WireError(ValueError):
 
 
 def pack_array(arr: np.ndarray) -> dict[str, Any]:
-    arr = np.ascontiguousarray(arr)
+    arr = np.asarray(arr)
     if arr.dtype.name not in ALLOWED_DTYPES:
         raise WireError("malformed", f"dtype {arr.dtype.name} cannot travel; use one of {sorted(ALLOWED_DTYPES)}")
     return {"dtype": arr.dtype.name, "shape": list(arr.shape), "data": arr.tobytes()}

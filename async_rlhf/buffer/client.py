@@ -43,7 +43,7 @@ class BufferClient:
             if left_ms <= 0 or not self._sock.poll(left_ms):
                 raise BufferUnavailable(
                     f"buffer service at {self.address} did not answer a '{kind}' request within "
-                    f"{timeout_s or self.timeout_s:.0f} s; check that it is running (buffer.request_timeout_s)"
+                    f"{timeout_s or self.timeout_s:g} s; check that it is running (buffer.request_timeout_s)"
                 )
             reply = decode(self._sock.recv(), self.max_bytes)
             if reply.get("req_id") not in (req_id, None):

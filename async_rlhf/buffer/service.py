@@ -19,6 +19,7 @@ held (in the store), delivered (to a learner, not yet acknowledged), trained (ac
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections import Counter
@@ -226,26 +227,29 @@ class BufferService:
                 self._reply(frames[0], "error", None, reason="malformed", detail="send exactly one frame")
             return
         identity, frame = frames
+        req_id = None
         try:
             msg = decode(frame, self.max_bytes)
+            req_id = msg.get("req_id")
             self._dispatch(identity, msg)
         except WireError as exc:
             self.logic.rejects[exc.reason] += 1
             log.warning("buffer: rejected a message: %s", exc)
-            self._reply(identity, "error", None, reason=exc.reason, detail=str(exc))
+            self._reply(identity, "error", req_id, reason=exc.reason, detail=str(exc))
         except (KeyError, TypeError, ValueError) as exc:
             self.logic.rejects["malformed"] += 1
             log.warning("buffer: rejected a request with a missing or bad field: %r", exc)
-            self._reply(identity, "error", None, reason="malformed", detail=f"missing or bad field: {exc!r}")
+            self._reply(identity, "error", req_id, reason="malformed", detail=f"missing or bad field: {exc!r}")
         except Exception as exc:  # a bug in handling must not take the service down
             self.logic.rejects["internal"] += 1
             log.exception("buffer: failed to handle a request")
-            self._reply(identity, "error", None, reason="internal", detail=repr(exc))
+            self._reply(identity, "error", req_id, reason="internal", detail=repr(exc))
 
     def _dispatch(self, identity: bytes, msg: dict[str, Any]) -> None:
         kind, req_id, logic = msg["kind"], msg.get("req_id"), self.logic
         if kind == "get":
-            wait_s = min(float(msg.get("wait_s", 0.0)), 60.0)
+            wait_s = float(msg.get("wait_s", 0.0))
+            wait_s = min(wait_s, 60.0) if math.isfinite(wait_s) and wait_s > 0 else 0.0
             self._pending.append(PendingGet(identity, req_id, int(msg["n"]), int(msg["version"]),
                                             time.monotonic() + wait_s))
             self._serve_pending()

@@ -37,11 +37,15 @@ class Batch:
 
 
 def collate(groups: list[Group], pad_id: int, advantage: str) -> Batch:
-    seqs, comp_spans, mus, vers, rewards, advs = [], [], [], [], [], []
+    seqs, comp_spans, mus, vers = [], [], [], []
+    rewards = [torch.tensor([s.reward for s in g.samples], dtype=torch.float32) for g in groups]
+    if len({len(r) for r in rewards}) == 1:  # one [G, n] call: batch-level estimators (REINFORCE++) need it
+        advs = list(group_advantages(torch.stack(rewards), advantage))
+    elif advantage == "reinforce_pp":
+        raise ValueError("train.advantage=reinforce_pp normalises over the batch and needs equal group sizes")
+    else:
+        advs = [group_advantages(r.unsqueeze(0), advantage).squeeze(0) for r in rewards]
     for g in groups:
-        r = torch.tensor([s.reward for s in g.samples], dtype=torch.float32)
-        advs.append(group_advantages(r.unsqueeze(0), advantage).squeeze(0))
-        rewards.append(r)
         for s in g.samples:
             prompt = g.prompt_ids.tolist()
             seqs.append(prompt + s.completion_ids.tolist())

@@ -87,8 +87,12 @@ def layout_from_wire(data: list[dict[str, Any]]) -> list[Bucket]:
     for b in data:
         entries = tuple(Entry(str(n), tuple(int(d) for d in shape), int(off), int(numel))
                         for n, shape, off, numel in b["entries"])
-        for e in entries:
-            if math.prod(e.shape) != e.numel or e.offset + e.numel > int(b["numel"]):
-                raise ValueError(f"layout entry {e.name} does not fit its bucket")
+        if str(b["dtype"]) not in DTYPE_BYTES:
+            raise ValueError(f"layout bucket has dtype {b['dtype']!r}, which the weight push cannot carry")
+        end = 0
+        for e in sorted(entries, key=lambda e: e.offset):
+            if math.prod(e.shape) != e.numel or e.offset < end or e.offset + e.numel > int(b["numel"]):
+                raise ValueError(f"layout entry {e.name} overlaps another or does not fit its bucket")
+            end = e.offset + e.numel
         buckets.append(Bucket(str(b["dtype"]), int(b["numel"]), entries))
     return buckets

@@ -8,6 +8,7 @@ saturated, leaving a large, measurable gain for RL.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -50,6 +51,18 @@ def _sft_batch(
     return ids, attn, loss_mask
 
 
+def _lr_factor(step: int, steps: int) -> float:
+    """Linear warmup (Adam's first steps are sign-SGD: full lr on every weight), then cosine decay to 10%.
+
+    The decay makes the final accuracy a smooth function of ``steps`` rather than a noisy snapshot.
+    """
+    warmup = max(1, min(20, steps // 10))
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - warmup)
+    return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
 def _take(stream: Iterator[Problem], n: int) -> list[Problem]:
     return [next(stream) for _ in range(n)]
 
@@ -69,8 +82,7 @@ def sft_warm_start(
     model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
-    warmup = max(1, min(20, steps // 10))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, steps))
     stream = task.train_problems(seed)
     heldout = task.heldout()
     log_every = max(1, steps // 10)
@@ -93,7 +105,7 @@ def sft_warm_start(
                     "sft step %d/%d loss %.4f (%.1f s)", step, steps, loss.item(), time.perf_counter() - t0
                 )
     model.eval()
-    acc = greedy_accuracy(model, tok, heldout, max_new_tokens=task.max_answer_chars + 1) if heldout else 0.0
+    acc = greedy_accuracy(model, tok, heldout) if heldout else 0.0
     logger.info("sft done: %d steps in %.1f s, held-out greedy accuracy %.3f", steps, time.perf_counter() - t0, acc)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out_dir))
@@ -170,3 +182,82 @@ def greedy_accuracy(
     finally:
         model.train(was_training)
     return correct / len(problems)
+
+
+def tiny_settings(task_cfg: TaskConfig, seed: int = 0) -> dict[str, Any]:
+    """Everything the cached warm start depends on; its hash names the cache directory."""
+    return {
+        "format_version": FORMAT_VERSION,
+        "task": task_cfg.name,
+        "digits": task_cfg.digits,
+        "heldout_size": task_cfg.heldout_size,
+        "sft_steps": task_cfg.sft_steps,
+        "sft_batch_size": SFT_BATCH_SIZE,
+        "sft_lr": SFT_LR,
+        "seed": seed,
+        "arch": [
+            tiny_model.HIDDEN_SIZE, tiny_model.NUM_LAYERS, tiny_model.NUM_HEADS, tiny_model.NUM_KV_HEADS,
+            tiny_model.INTERMEDIATE_SIZE, tiny_model.MAX_POSITIONS,
+        ],
+    }
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    """Exclusive advisory lock, so concurrent callers (e.g. several actors on one host) build once."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX: the atomic rename alone keeps the cache consistent
+        yield
+        return
+    with open(path, "a+") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def prepare_tiny_policy(cache_root: Path, task_cfg: TaskConfig, seed: int = 0) -> Path:
+    """Build the tiny model and its SFT warm start once; later calls with the same settings return at once.
+
+    Result: ``cache_root/tiny-<hash>/``, a Hugging Face directory (model, tokenizer, generation config) plus
+    ``tiny_info.json`` (settings, held-out greedy accuracy, build time). It is built in a temporary directory
+    and renamed into place, so the directory exists only when complete.
+    """
+    if task_cfg.name != "addition":
+        raise ValueError(f"the tiny policy is built for the addition task, not {task_cfg.name!r}")
+    settings = tiny_settings(task_cfg, seed)
+    digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
+    cache_root = Path(cache_root)
+    final = cache_root / f"tiny-{digest}"
+    if (final / INFO_FILE).exists():
+        return final
+    cache_root.mkdir(parents=True, exist_ok=True)
+    with _file_lock(cache_root / f".tiny-{digest}.lock"):
+        if (final / INFO_FILE).exists():
+            return final
+        logger.info("building the tiny policy into %s (SFT %d steps, one-off)", final, task_cfg.sft_steps)
+        t0 = time.perf_counter()
+        staging = Path(tempfile.mkdtemp(prefix=f".tiny-{digest}-", dir=cache_root))
+        try:
+            task = AdditionTask(digits=task_cfg.digits, heldout_size=task_cfg.heldout_size, seed=seed)
+            base = build_tiny_model(staging / "base", seed=seed)
+            policy = staging / "policy"
+            sft_warm_start(base, policy, task, steps=task_cfg.sft_steps, seed=seed)
+            model = AutoModelForCausalLM.from_pretrained(str(policy), dtype=torch.float32)
+            acc = greedy_accuracy(model, load_tokenizer(policy), task.heldout())
+            info = {"settings": settings, "heldout_greedy_accuracy": acc, "build_seconds": time.perf_counter() - t0}
+            (policy / INFO_FILE).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
+            if final.exists():  # a stale, incomplete directory from a crash of an older layout
+                shutil.rmtree(final)
+            os.rename(policy, final)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        logger.info("tiny policy ready in %.1f s: %s (held-out greedy accuracy %.3f)", info["build_seconds"], final, acc)
+    return final
+
+
+def read_tiny_info(policy_dir: Path) -> dict[str, Any]:
+    """The ``tiny_info.json`` written by :func:`prepare_tiny_policy`."""
+    return json.loads((Path(policy_dir) / INFO_FILE).read_text())

@@ -18,6 +18,7 @@ from async_rlhf.sync.receiver import acknowledge, receive_buckets
 from async_rlhf.sync.sender import WeightSender, dtype_name
 
 pytestmark = pytest.mark.distributed
+torch.set_num_threads(1)
 
 HOST = "127.0.0.1"
 BUCKET_BYTES = 96

@@ -239,10 +239,27 @@ def test_sample_with_mismatched_lengths_is_malformed(field, value):
     assert info.value.reason == "malformed"
 
 
-def test_sample_with_two_dimensional_logprobs_is_malformed():
-    # logprobs [3, 2] has len 3 like completion_ids [3], but it is not one log-prob per token
+@pytest.mark.parametrize("field,header", [
+    # [3, 2] has len 3 like completion_ids [3], but it is not one value per token
+    ("logprobs", {"dtype": "float32", "shape": [3, 2], "data": b"\x00" * 24}),
+    ("versions", {"dtype": "int32", "shape": [3, 1], "data": b"\x00" * 12}),
+])
+def test_sample_with_multi_dimensional_per_token_arrays_is_malformed(field, header):
     wire = _sample([1, 2, 3], [0, 0, 0]).to_wire()
-    wire["logprobs"] = pack_array(np.zeros((3, 2), np.float32))
+    wire[field] = header
+    with pytest.raises(WireError) as info:
+        Sample.from_wire(wire)
+    assert info.value.reason == "malformed"
+
+
+def test_sample_with_scalar_arrays_is_malformed():
+    # shape [] is a valid array header (one element); a sample needs 1-D arrays
+    wire = {
+        "completion_ids": {"dtype": "int32", "shape": [], "data": b"\x05\x00\x00\x00"},
+        "logprobs": {"dtype": "float32", "shape": [], "data": b"\x00" * 4},
+        "versions": {"dtype": "int32", "shape": [], "data": b"\x00" * 4},
+        "reward": 1.0,
+    }
     with pytest.raises(WireError) as info:
         Sample.from_wire(wire)
     assert info.value.reason == "malformed"
