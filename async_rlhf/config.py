@@ -85,7 +85,10 @@ class TrainConfig:
     advantage: str = "grpo"
     """Advantage estimator: grpo | dr_grpo | rloo | reinforce_pp."""
     push_every: int = 1
-    """Optimizer steps between weight pushes (one push makes one new version)."""
+    """Learner steps between weight pushes (one push makes one new version)."""
+    minibatches: int = 1
+    """Optimizer steps per learner step (the batch is split); with more than one, the proximal policy is
+    recomputed at the start of the step (or interpolated, for decoupled_ppo_interp)."""
     seed: int = 0
     """Seed of data order, sampling and initialisation."""
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
@@ -133,6 +136,28 @@ class BufferConfig:
     """Largest message the service accepts."""
     request_timeout_s: float = 30.0
     """How long a client waits for the service before it reports the service as unreachable."""
+    redis_prefix: str = "async_rlhf:buffer"
+    """Prefix of every Redis key of this buffer (one buffer service per prefix)."""
+    redis_retry_s: float = 30.0
+    """How long the service waits for an unreachable Redis (restarting, loading its AOF) before failing a request."""
+    capacity: int = 1024
+    """Most groups held or delivered-unacked at once (0: unbounded); admission and put push back beyond it."""
+    policy: str = "fifo"
+    """Sampling policy: fifo | freshest (highest min version first) | evict_stale (full: evict the oldest version)."""
+    visibility_timeout_s: float = 600.0
+    """A delivered group not acknowledged within this many seconds is delivered again (its learner is presumed dead)."""
+    curve: bool = False
+    """Authenticate with ZeroMQ CURVE (required to bind a non-loopback host)."""
+    curve_secret_key: str = ""
+    """Server CURVE secret key (z85, 40 characters)."""
+    curve_public_key: str = ""
+    """Server CURVE public key (z85); clients need it too."""
+    curve_client_keys: str = ""
+    """Comma-separated z85 public keys of the clients the service accepts."""
+    curve_client_secret_key: str = ""
+    """Secret key generators and learners present (z85); its public key must be in curve_client_keys."""
+    curve_client_public_key: str = ""
+    """Public key generators and learners present (z85)."""
 
 
 @dataclass
@@ -187,7 +212,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "train.objective.kl_estimator": ("k1", "k2", "k3"),
     "train.advantage": ("grpo", "dr_grpo", "rloo", "reinforce_pp"),
     "generator.update_mode": ("in_flight", "drain"),
-    "buffer.store": ("memory",),
+    "buffer.store": ("memory", "redis"),
+    "buffer.policy": ("fifo", "freshest", "evict_stale"),
     "model.dtype": ("float32", "bfloat16", "float16"),
     "task.name": ("addition",),
     "sync.backend": ("gloo", "nccl"),
@@ -196,6 +222,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
 
 POSITIVE = (
     "generators", "learners", "train.steps", "train.batch_size", "train.group_size", "train.push_every",
+    "train.minibatches",
     "generator.max_new_tokens", "generator.groups_in_flight", "generator.threads", "learner.threads",
     "sync.bucket_mb", "task.digits", "task.heldout_size", "model.max_model_len",
 )

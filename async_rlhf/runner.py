@@ -41,7 +41,7 @@ def heldout_accuracy(model_dir: str, cfg: Config) -> float:
     from async_rlhf.tiny.tokenizer import load_tokenizer
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    task = make_task(cfg.task, cfg.train.seed)
+    task = make_task(cfg.task)
     return greedy_accuracy(model, load_tokenizer(model_dir), task.heldout(), cfg.generator.max_new_tokens)
 
 
@@ -94,9 +94,17 @@ class Cluster:
                 + [g.init_weight_sync.remote("127.0.0.1", port, world, i + 1, layout)
                    for i, g in enumerate(self.generators)])
 
+    def close(self) -> None:
+        """Kill this run's actors but keep Ray up (experiments run several clusters in one Ray session)."""
+        import ray
+
+        for actor in [*self.generators, *self.learners, self.buffer]:
+            ray.kill(actor)
+
     def shutdown(self) -> None:
         import ray
 
+        self.close()
         ray.shutdown()
 
 
@@ -169,6 +177,7 @@ def train(cfg: Config, cluster: Cluster, run_dir: Path) -> dict[str, Any]:
         "records": records,
         "evals": gen_final[0]["evals"] if gen_final else evals,
         "wall_time_s": wall,
+        "t_start": t_start,
         "generated_tokens_per_s": tokens / wall,
         "learner_samples_per_s": sum(r["rollout/samples"] for r in records) / wall,
         "weight_push_s": sum(push_times) / len(push_times) if push_times else 0.0,

@@ -4,6 +4,12 @@ set -euo pipefail
 PY=${1:-python3}
 VENV=${2:-.venv}
 
+# The Redis store's tests start their own redis-server (Debian package); the embedded default needs none.
+if ! command -v redis-server >/dev/null 2>&1; then
+  DEBIAN_FRONTEND=noninteractive apt-get update -qq >/dev/null
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server >/dev/null
+fi
+
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 "$VENV/bin/python" -m pip install --quiet --upgrade pip
 "$VENV/bin/python" -m pip install --quiet -e ".[cpu,dev]"

@@ -4,18 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from async_rlhf.buffer.service import BufferLogic, BufferService
-from async_rlhf.buffer.store import make_store
+from async_rlhf.buffer.build import build_service
 from async_rlhf.config import Config
 
 
 class BufferActor:
     def __init__(self, cfg: Config) -> None:
-        logic = BufferLogic(make_store(cfg.buffer.store, url=cfg.buffer.redis_url),
-                            groups_per_version=cfg.train.batch_size * cfg.train.push_every,
-                            max_staleness=cfg.train.max_staleness)
-        self.service = BufferService(logic, cfg.buffer.host, cfg.buffer.port,
-                                     cfg.buffer.max_message_mb << 20).start()
+        self.service = build_service(cfg).start()
 
     def address(self) -> str:
         return self.service.address
@@ -26,5 +21,9 @@ class BufferActor:
     def drop_held(self, reason: str) -> int:
         return self.service.call(self.service.logic.drop_held, reason)
 
+    def declare_dead(self, consumer: str) -> int:
+        return self.service.call(self.service.logic.declare_dead, consumer)
+
     def stop(self) -> None:
         self.service.stop()
+        self.service.logic.store.close()

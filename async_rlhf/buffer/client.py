@@ -1,13 +1,21 @@
-"""Client of the buffer service: one DEALER socket, one request at a time, every wait bounded."""
+"""Client of the buffer service: one DEALER socket, one request at a time, every wait bounded.
+
+Each client is a named consumer (``consumer``, by default unique to this process and socket): the service
+records which consumer holds which delivered groups, so a dead learner's groups can be given to others.
+"""
 
 from __future__ import annotations
 
 import itertools
+import os
+import socket
 import time
+import uuid
 from typing import Any
 
 import zmq
 
+from async_rlhf.buffer.curve import CurveClientKeys, secure_client
 from async_rlhf.types import Group
 from async_rlhf.wire import decode, encode
 
@@ -16,19 +24,31 @@ class BufferUnavailable(RuntimeError):
     """The service did not answer in time: it is down, overloaded or at the wrong address."""
 
 
+class BufferFull(BufferUnavailable):
+    """The buffer stayed at its capacity for the whole wait: learners are not keeping up."""
+
+
 class BufferRequestError(RuntimeError):
     """The service refused a request; the message carries its reason."""
 
 
+def default_consumer_name() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
 class BufferClient:
-    def __init__(self, address: str, timeout_s: float = 30.0, max_message_bytes: int = 64 << 20) -> None:
+    def __init__(self, address: str, timeout_s: float = 30.0, max_message_bytes: int = 64 << 20, *,
+                 consumer: str | None = None, curve: CurveClientKeys | None = None) -> None:
         self.address = address
         self.timeout_s = timeout_s
         self.max_bytes = max_message_bytes
+        self.consumer = consumer or default_consumer_name()
         self._ids = itertools.count(1)
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        if curve is not None:
+            secure_client(self._sock, curve)
         self._sock.connect(address)
 
     def close(self) -> None:
@@ -57,18 +77,38 @@ class BufferClient:
         r = self.request("admit", want=want)
         return int(r["granted"]), int(r["version"])
 
-    def put(self, group: Group) -> bool:
-        return bool(self.request("put", group=group.to_wire())["accepted"])
+    def put(self, group: Group, *, full_wait_s: float | None = None) -> bool:
+        """Hand over a finished group; True if stored, False if its id was already known (idempotent).
+
+        While the buffer is at capacity the service answers "full"; the put is retried with a growing pause
+        for up to ``full_wait_s`` (default: the client timeout), then :class:`BufferFull` is raised.
+        """
+        wire = group.to_wire()
+        deadline = time.monotonic() + (self.timeout_s if full_wait_s is None else full_wait_s)
+        pause = 0.005
+        while True:
+            r = self.request("put", group=wire)
+            if not r.get("full"):
+                return bool(r["accepted"])
+            if time.monotonic() >= deadline:
+                raise BufferFull(f"buffer at {self.address} stayed full for {full_wait_s or self.timeout_s:g} s")
+            time.sleep(pause)
+            pause = min(pause * 2, 0.2)
 
     def release(self, n: int) -> None:
         self.request("release", n=n)
 
-    def get(self, n: int, version: int, wait_s: float = 1.0) -> list[Group]:
-        r = self.request("get", timeout_s=wait_s + self.timeout_s, n=n, version=version, wait_s=wait_s)
+    def declare_dead(self, consumer: str) -> int:
+        """Tell the service that learner ``consumer`` died: its unacknowledged groups go to others now."""
+        return int(self.request("release", n=0, consumer=consumer).get("redelivered", 0))
+
+    def get(self, n: int, version: int, wait_s: float = 1.0, *, consumer: str | None = None) -> list[Group]:
+        r = self.request("get", timeout_s=wait_s + self.timeout_s, n=n, version=version, wait_s=wait_s,
+                         consumer=consumer or self.consumer)
         return [Group.from_wire(g) for g in r["groups"]]
 
-    def ack(self, group_ids: list[str]) -> int:
-        return int(self.request("ack", group_ids=list(group_ids))["acked"])
+    def ack(self, group_ids: list[str], *, consumer: str | None = None) -> int:
+        return int(self.request("ack", group_ids=list(group_ids), consumer=consumer or self.consumer)["acked"])
 
     def set_version(self, version: int) -> None:
         self.request("set_version", version=version)

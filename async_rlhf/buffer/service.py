@@ -1,19 +1,21 @@
-"""The buffer service: one ZeroMQ ROUTER socket in front of a store, the staleness rule and a ledger.
+"""The buffer service: one ZeroMQ ROUTER socket in front of :class:`BufferLogic` (store, staleness rule, ledger).
 
     generator (DEALER) --admit/put/release--> +----------------+ <--get/ack/set_version-- learner (DEALER)
                                               | ROUTER socket  |
-    launcher  (DEALER) --stats--------------> | BufferLogic    |
+    launcher  (DEALER) --stats/release------> | BufferLogic    |
                                               |  store, ledger |
                                               +----------------+
 
 Every request carries ``req_id``; the reply echoes it. ``get`` is a long poll: the service parks it
 until enough fresh groups are held or its ``wait_s`` passes (then it answers with what it has, possibly
-nothing). A malformed, oversized or unknown message is answered with ``error`` where a reply address is
-known, counted by reason and logged; the loop never stops on bad input.
+nothing). ``get`` and ``ack`` name a ``consumer`` (the learner); a group delivered to a consumer that does
+not ack within ``visibility_timeout_s``, or whose consumer is declared dead (``release`` with a
+``consumer`` field), goes back to the held groups and is delivered again.
 
-The ledger makes the accounting exact: every group id is, at any time, in exactly one of
-held (in the store), delivered (to a learner, not yet acknowledged), trained (acknowledged), or dropped
-(with a reason).
+A malformed, oversized or unknown message is answered with ``error`` where a reply address is known,
+counted by reason and logged; the loop never stops on bad input. The socket binds to loopback unless
+CURVE keys are given (see curve.py); frames above the size limit are cut off by ZeroMQ itself
+(``MAXMSGSIZE`` drops the connection, counted by no one, answered to no one).
 """
 
 from __future__ import annotations
@@ -22,18 +24,21 @@ import logging
 import math
 import threading
 import time
-from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
 import zmq
 
-from async_rlhf.buffer.admission import AdmissionControl, is_stale, staleness
-from async_rlhf.buffer.store import Store, StoredGroup
-from async_rlhf.types import Group
+from async_rlhf.buffer.curve import LOOPBACK, CurveServerKeys, secure_server
+from async_rlhf.buffer.logic import BufferLogic
 from async_rlhf.wire import WireError, decode, encode
 
 log = logging.getLogger(__name__)
+
+__all__ = ["BufferLogic", "BufferService", "PendingGet"]
+
+TICK_S = 0.2
+MAX_CONSUMER_NAME = 200
 
 
 @dataclass
@@ -43,136 +48,38 @@ class PendingGet:
     n: int
     version: int
     deadline: float
+    consumer: str
+    t_recv: float
 
 
-class BufferLogic:
-    """Everything the service decides, without sockets (unit tests drive it directly)."""
-
-    def __init__(self, store: Store, groups_per_version: int, max_staleness: int) -> None:
-        self.store = store
-        self.max_staleness = max_staleness
-        self.admission = AdmissionControl(groups_per_version, max_staleness)
-        self.counters: Counter[str] = Counter()
-        self.rejects: Counter[str] = Counter()
-        self.delivered: dict[str, int] = {}  # group id -> learner version it was delivered at
-        self.trained: set[str] = set()
-        self.dropped: dict[str, str] = {}    # group id -> reason
-        self.staleness_hist: Counter[int] = Counter()
-        self.started = time.time()
-
-    # -- generators -------------------------------------------------------------------------
-    def admit(self, want: int) -> dict[str, Any]:
-        granted = self.admission.admit(max(0, int(want)))
-        self.counters["admitted"] += granted
-        return {"granted": granted, "version": self.admission.version}
-
-    def release(self, n: int) -> dict[str, Any]:
-        self.admission.release(max(0, int(n)))
-        return {}
-
-    def put(self, wire_group: Any) -> dict[str, Any]:
-        group = Group.from_wire(wire_group)  # validates; raises WireError
-        gid = group.group_id
-        if gid in self.delivered or gid in self.trained or gid in self.dropped:
-            self.counters["duplicate_put"] += 1
-            return {"accepted": False, "duplicate": True}
-        stored = StoredGroup(gid, group.min_version, len(group.samples), group.num_tokens, wire_group)
-        if not self.store.put(stored):
-            self.counters["duplicate_put"] += 1
-            return {"accepted": False, "duplicate": True}
-        self.admission.finished()
-        self.counters["put"] += 1
-        self.counters["put_tokens"] += group.num_tokens
-        return {"accepted": True, "duplicate": False}
-
-    # -- learners ---------------------------------------------------------------------------
-    def drop_stale(self, version: int) -> int:
-        stale = [g for g in self.store.peek_all() if is_stale(version, g.min_version, self.max_staleness)]
-        if stale:
-            self.store.remove([g.group_id for g in stale])
-            for g in stale:
-                self.dropped[g.group_id] = "stale"
-            self.admission.dropped(len(stale))
-            self.counters["dropped_stale"] += len(stale)
-        return len(stale)
-
-    def try_get(self, n: int, version: int) -> list[dict[str, Any]] | None:
-        """``n`` fresh groups for a learner at ``version``, or None while fewer are held."""
-        self.drop_stale(version)
-        if len(self.store) < n:
-            return None
-        taken = self.store.take(n)
-        for g in taken:
-            self.delivered[g.group_id] = version
-            self.staleness_hist[staleness(version, g.min_version)] += 1
-        self.counters["delivered"] += len(taken)
-        return [g.wire for g in taken]
-
-    def ack(self, group_ids: list[Any]) -> dict[str, Any]:
-        fresh = 0
-        for gid in map(str, group_ids):
-            if gid in self.trained:
-                self.counters["duplicate_ack"] += 1
-                continue
-            if self.delivered.pop(gid, None) is None:
-                self.counters["unknown_ack"] += 1
-                continue
-            self.trained.add(gid)
-            fresh += 1
-        self.counters["trained"] += fresh
-        return {"acked": fresh}
-
-    def drop_held(self, reason: str) -> int:
-        """Mark every held group dropped (end of a run: generated, never trained)."""
-        held = self.store.take(len(self.store))
-        for g in held:
-            self.dropped[g.group_id] = reason
-        self.admission.dropped(len(held))
-        self.counters[f"dropped_{reason}"] += len(held)
-        return len(held)
-
-    def set_version(self, version: int) -> dict[str, Any]:
-        self.admission.set_version(int(version))
-        return {"version": self.admission.version}
-
-    def stats(self, ledger: bool = False) -> dict[str, Any]:
-        a = self.admission
-        out: dict[str, Any] = {
-            "buffer/depth": len(self.store),
-            "buffer/version": a.version,
-            "buffer/accepted": a.accepted,
-            "buffer/running": a.running,
-            "buffer/capacity": a.capacity,
-            "buffer/delivered_unacked": len(self.delivered),
-            **{f"buffer/{k}": v for k, v in self.counters.items()},
-            **{f"buffer/reject_{k}": v for k, v in self.rejects.items()},
-            "staleness/hist": {str(k): v for k, v in sorted(self.staleness_hist.items())},
-            "buffer/uptime_s": time.time() - self.started,
-        }
-        if ledger:
-            out["ledger"] = {
-                "held": [g.group_id for g in self.store.peek_all()],
-                "delivered": sorted(self.delivered),
-                "trained": sorted(self.trained),
-                "dropped": dict(self.dropped),
-            }
-        return out
+def _consumer(msg: dict[str, Any]) -> str:
+    name = msg.get("consumer")
+    if name is None:
+        return "anon"
+    if not isinstance(name, str) or not name or len(name) > MAX_CONSUMER_NAME or name.startswith("_"):
+        raise WireError("malformed", f"consumer must be a name of 1-{MAX_CONSUMER_NAME} characters not "
+                                     "starting with '_'")
+    return name
 
 
 class BufferService:
     """Runs :class:`BufferLogic` behind a ROUTER socket on a background thread."""
 
     def __init__(self, logic: BufferLogic, host: str = "127.0.0.1", port: int = 0,
-                 max_message_bytes: int = 64 << 20) -> None:
-        if host not in ("127.0.0.1", "localhost", "::1"):
+                 max_message_bytes: int = 64 << 20, curve: CurveServerKeys | None = None) -> None:
+        if host not in LOOPBACK and curve is None:
             raise ValueError(
                 f"buffer.host={host} would expose the buffer beyond this machine without authentication; "
-                "bind to 127.0.0.1 (CURVE-authenticated remote binding is not available in this build)"
+                "bind to 127.0.0.1, or set buffer.curve=true with CURVE keys (buffer.curve_secret_key, "
+                "buffer.curve_public_key, buffer.curve_client_keys)"
             )
         self.logic = logic
         self.max_bytes = max_message_bytes
-        self._ctx = zmq.Context.instance()
+        self.curve = curve is not None
+        # a CURVE server gets its own context: the ZAP handler is per context
+        self._ctx = zmq.Context() if curve else zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
+        self._auth = secure_server(self._ctx, self._sock, curve) if curve else None
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes + 4096)
         if port:
@@ -188,12 +95,19 @@ class BufferService:
 
     def start(self) -> BufferService:
         self._thread.start()
-        log.info("buffer service listening on %s", self.address)
+        log.info("buffer service listening on %s (store %s, policy %s%s)", self.address, self.logic.store.name,
+                 self.logic.policy, ", CURVE" if self.curve else "")
         return self
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=5)
+        if self._thread.ident is None:  # never started: the socket is still ours to close
+            self._sock.close(0)
+        else:
+            self._thread.join(timeout=5)
+        if self._auth is not None:
+            self._auth.stop()
+            self._ctx.term()
 
     def call(self, fn: Any, *args: Any) -> Any:
         """Run ``fn(*args)`` on the logic from another thread of this process, safely."""
@@ -206,20 +120,30 @@ class BufferService:
     def _serve(self) -> None:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
+        next_tick = time.monotonic() + TICK_S
         while not self._stop.is_set():
-            if poller.poll(timeout=5):
-                for _ in range(256):  # drain a burst before looking at parked gets
-                    try:
-                        frames = self._sock.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    with self._lock:
-                        self._handle(frames)
-            with self._lock:
-                self._serve_pending()
+            try:
+                if poller.poll(timeout=5):
+                    for _ in range(256):  # drain a burst before looking at parked gets
+                        try:
+                            frames = self._sock.recv_multipart(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        with self._lock:
+                            self._handle(frames)
+                with self._lock:
+                    if time.monotonic() >= next_tick:
+                        next_tick = time.monotonic() + TICK_S
+                        self.logic.tick()
+                    self._serve_pending()
+            except Exception:  # e.g. the store gave up waiting for Redis: keep serving, report it
+                self.logic.rejects["internal"] += 1
+                log.exception("buffer: the service loop failed; continuing")
+                time.sleep(0.05)
         self._sock.close(0)
 
     def _handle(self, frames: list[bytes]) -> None:
+        t0 = time.perf_counter()
         if len(frames) != 2:
             self.logic.rejects["malformed"] += 1
             log.warning("buffer: rejected a request of %d frames (expected 1 after the identity)", len(frames) - 1)
@@ -231,36 +155,40 @@ class BufferService:
         try:
             msg = decode(frame, self.max_bytes)
             req_id = msg.get("req_id")
-            self._dispatch(identity, msg)
+            kind = self._dispatch(identity, msg, t0)
+            if kind != "get":
+                self.logic.record_latency(kind, time.perf_counter() - t0)
         except WireError as exc:
             self.logic.rejects[exc.reason] += 1
             log.warning("buffer: rejected a message: %s", exc)
             self._reply(identity, "error", req_id, reason=exc.reason, detail=str(exc))
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:
             self.logic.rejects["malformed"] += 1
             log.warning("buffer: rejected a request with a missing or bad field: %r", exc)
             self._reply(identity, "error", req_id, reason="malformed", detail=f"missing or bad field: {exc!r}")
-        except Exception as exc:  # a bug in handling must not take the service down
+        except Exception as exc:  # a bug in handling, or Redis gone for too long: the service stays up
             self.logic.rejects["internal"] += 1
             log.exception("buffer: failed to handle a request")
             self._reply(identity, "error", req_id, reason="internal", detail=repr(exc))
 
-    def _dispatch(self, identity: bytes, msg: dict[str, Any]) -> None:
+    def _dispatch(self, identity: bytes, msg: dict[str, Any], t_recv: float) -> str:
         kind, req_id, logic = msg["kind"], msg.get("req_id"), self.logic
         if kind == "get":
             wait_s = float(msg.get("wait_s", 0.0))
             wait_s = min(wait_s, 60.0) if math.isfinite(wait_s) and wait_s > 0 else 0.0
             self._pending.append(PendingGet(identity, req_id, int(msg["n"]), int(msg["version"]),
-                                            time.monotonic() + wait_s))
+                                            time.monotonic() + wait_s, _consumer(msg), t_recv))
             self._serve_pending()
-            return
+            return kind
         if kind == "admit":
             out = logic.admit(msg["want"])
         elif kind == "put":
             out = logic.put(msg.get("group"))
         elif kind == "release":
-            out = logic.release(msg["n"])
+            consumer = msg.get("consumer")
+            out = logic.release(msg["n"], _consumer(msg) if consumer is not None else None)
         elif kind == "ack":
+            _consumer(msg)
             out = logic.ack(list(msg.get("group_ids") or []))
         elif kind == "set_version":
             out = logic.set_version(msg["version"])
@@ -269,15 +197,19 @@ class BufferService:
         else:
             raise WireError("unknown_kind", f"the service does not accept {kind!r} requests")
         self._reply(identity, "reply", req_id, **out)
+        return kind
 
     def _serve_pending(self) -> None:
         if not self._pending:
             return
         now, still = time.monotonic(), []
         for p in self._pending:
-            groups = self.logic.try_get(p.n, p.version)
+            t0 = time.perf_counter()
+            groups = self.logic.try_get(p.n, p.version, p.consumer)
             if groups is not None:
                 self._reply(p.identity, "reply", p.req_id, groups=groups)
+                # handling time of the call that answered (a parked get's wait is not service latency)
+                self.logic.record_latency("get", time.perf_counter() - t0)
             elif now >= p.deadline:
                 self._reply(p.identity, "reply", p.req_id, groups=[])
             else:

@@ -1,15 +1,30 @@
-"""Where the buffer keeps finished prompt groups. One small interface, chosen by ``buffer.store``.
+r"""Where the buffer keeps prompt groups and the ledger of what became of them. One interface, two stores.
 
-The store holds groups in their validated wire form (a msgpack-native map), so the service hands them
-to learners without re-encoding. ``memory`` is the embedded default; a Redis Streams store plugs in
-behind the same interface.
+Every group id is, at any time, in exactly one state, and the store owns that state machine::
+
+             put                 deliver(consumer)            ack
+    (new) --------> held -------------------------> delivered -----> trained   (final: never delivered again)
+                     ^  \                              |  |
+                     |   \ drop(reason)   redeliver    |  | drop(reason)
+                     |    '---------> dropped <--------|--'          (final, with a reason)
+                     '---------------------------------'
+                       visibility timeout / consumer declared dead
+
+Each transition is one call, and it carries ``meta``: the absolute values of the admission and service
+counters after the transition. The memory store keeps them in a dict; the Redis store
+(:mod:`async_rlhf.buffer.redis_store`) writes transition and counters in one atomic script, so a restarted
+service finds both consistent. The single writer is the buffer service, which decides with the in-memory
+view this class keeps (the Redis store keeps the same view as a mirror and reloads it at start).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from dataclasses import dataclass
-from typing import Any, Protocol
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+HELD, DELIVERED, TRAINED, DROPPED = "held", "delivered", "trained", "dropped"
 
 
 @dataclass
@@ -19,53 +34,173 @@ class StoredGroup:
     num_samples: int
     num_tokens: int
     wire: dict[str, Any]
+    seq: int = 0
+    """Arrival order (FIFO key); a redelivered group keeps its place at the front."""
+    deliveries: int = 0
+    """How many times it was handed to a learner (a late ack is accepted once this is above 0)."""
 
 
-class Store(Protocol):
-    def put(self, group: StoredGroup) -> bool:
-        """Keep ``group``; False when a group with this id is already held (idempotent put)."""
-
-    def take(self, n: int) -> list[StoredGroup]:
-        """Remove and return up to ``n`` groups, oldest first."""
-
-    def peek_all(self) -> list[StoredGroup]:
-        """Every held group, oldest first, without removing any."""
-
-    def remove(self, group_ids: list[str]) -> None: ...
-
-    def __len__(self) -> int: ...
+@dataclass
+class Delivery:
+    consumer: str
+    version: int
+    at: float = field(default_factory=time.time)
+    """Wall-clock time of the delivery (the Redis store recovers it from the pending entry's idle time)."""
 
 
 class MemoryStore:
-    """FIFO in a dict; for one machine or one buffer process."""
+    """The embedded default: dicts in this process, nothing survives it. Also the Redis store's mirror."""
+
+    durable = False
+    name = "memory"
 
     def __init__(self) -> None:
-        self._groups: OrderedDict[str, StoredGroup] = OrderedDict()
+        self._held: dict[str, StoredGroup] = {}
+        self._delivered: dict[str, tuple[StoredGroup, Delivery]] = {}
+        self._trained: set[str] = set()
+        self._dropped: dict[str, str] = {}
+        self._meta: dict[str, int] = {}
+        self._seq = 0
 
-    def put(self, group: StoredGroup) -> bool:
-        if group.group_id in self._groups:
-            return False
-        self._groups[group.group_id] = group
-        return True
-
-    def take(self, n: int) -> list[StoredGroup]:
-        out = []
-        while self._groups and len(out) < n:
-            out.append(self._groups.popitem(last=False)[1])
-        return out
+    # -- reads ------------------------------------------------------------------------------
+    def state(self, group_id: str) -> str | None:
+        if group_id in self._held:
+            return HELD
+        if group_id in self._delivered:
+            return DELIVERED
+        if group_id in self._trained:
+            return TRAINED
+        if group_id in self._dropped:
+            return DROPPED
+        return None
 
     def peek_all(self) -> list[StoredGroup]:
-        return list(self._groups.values())
+        """Held groups in arrival order."""
+        return sorted(self._held.values(), key=lambda g: g.seq)
+
+    def held(self) -> Iterable[StoredGroup]:
+        """Held groups, unordered (cheap)."""
+        return self._held.values()
+
+    def get_held(self, group_id: str) -> StoredGroup | None:
+        return self._held.get(group_id)
+
+    def delivered(self) -> dict[str, Delivery]:
+        return {gid: d for gid, (_, d) in self._delivered.items()}
+
+    def num_delivered(self) -> int:
+        return len(self._delivered)
+
+    def trained(self) -> set[str]:
+        return self._trained
+
+    def dropped(self) -> dict[str, str]:
+        return self._dropped
+
+    def meta(self) -> dict[str, int]:
+        return dict(self._meta)
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    # -- transitions ------------------------------------------------------------------------
+    def put(self, group: StoredGroup, meta: Mapping[str, int] | None = None) -> bool:
+        """new -> held; False (and nothing changes) when the id is known in any state."""
+        if self.state(group.group_id) is not None:
+            return False
+        self._seq += 1
+        group.seq = group.seq or self._seq
+        self._seq = max(self._seq, group.seq)
+        self._held[group.group_id] = group
+        self._save(meta)
+        return True
+
+    def deliver(self, group_ids: list[str], consumer: str, version: int,
+                meta: Mapping[str, int] | None = None) -> list[StoredGroup]:
+        """held -> delivered to ``consumer``; returns the groups in the order asked."""
+        out = []
+        now = time.time()
+        for gid in group_ids:
+            g = self._held.pop(gid, None)
+            if g is None:
+                continue
+            g.deliveries += 1
+            self._delivered[gid] = (g, Delivery(consumer, version, now))
+            out.append(g)
+        self._save(meta)
+        return out
+
+    def ack(self, group_ids: list[str], meta: Mapping[str, int] | None = None) -> list[str]:
+        """delivered (or held again after a redelivery) -> trained; returns the ids that moved."""
+        moved = []
+        for gid in group_ids:
+            if gid in self._delivered:
+                del self._delivered[gid]
+            elif gid in self._held and self._held[gid].deliveries > 0:
+                del self._held[gid]
+            else:
+                continue
+            self._trained.add(gid)
+            moved.append(gid)
+        self._save(meta)
+        return moved
+
+    def drop(self, group_ids: list[str], reason: str, meta: Mapping[str, int] | None = None) -> list[str]:
+        """held or delivered -> dropped with ``reason``; returns the ids that moved."""
+        moved = []
+        for gid in group_ids:
+            if self._held.pop(gid, None) is None and self._delivered.pop(gid, None) is None:
+                continue
+            self._dropped[gid] = reason
+            moved.append(gid)
+        self._save(meta)
+        return moved
+
+    def redeliver(self, group_ids: list[str], meta: Mapping[str, int] | None = None) -> list[str]:
+        """delivered -> held (its learner is presumed dead); it keeps its arrival order."""
+        moved = []
+        for gid in group_ids:
+            entry = self._delivered.pop(gid, None)
+            if entry is None:
+                continue
+            self._held[gid] = entry[0]
+            moved.append(gid)
+        self._save(meta)
+        return moved
+
+    def save_meta(self, meta: Mapping[str, int]) -> None:
+        self._save(meta)
+
+    def _save(self, meta: Mapping[str, int] | None) -> None:
+        if meta:
+            self._meta.update(meta)
+
+    # -- legacy helpers (held only, no ledger: tests and tools) -----------------------------
+    def take(self, n: int) -> list[StoredGroup]:
+        """Remove and return up to ``n`` held groups, oldest first, without recording them anywhere."""
+        out = self.peek_all()[:n]
+        for g in out:
+            del self._held[g.group_id]
+        return out
 
     def remove(self, group_ids: list[str]) -> None:
         for gid in group_ids:
-            self._groups.pop(gid, None)
+            self._held.pop(gid, None)
 
-    def __len__(self) -> int:
-        return len(self._groups)
+    def close(self) -> None:
+        pass
 
 
-def make_store(kind: str, **_: Any) -> Store:
+Store = MemoryStore
+"""The interface: :class:`MemoryStore` defines it, the Redis store extends it (same reads, durable writes)."""
+
+
+def make_store(kind: str, url: str = "", prefix: str = "async_rlhf:buffer", retry_s: float = 30.0,
+               **_: Any) -> MemoryStore:
     if kind == "memory":
         return MemoryStore()
-    raise ValueError(f"buffer.store={kind!r} is not available in this build; use buffer.store=memory")
+    if kind == "redis":
+        from async_rlhf.buffer.redis_store import RedisStore
+
+        return RedisStore(url, prefix=prefix, retry_s=retry_s)
+    raise ValueError(f"buffer.store={kind!r} is not known; use buffer.store=memory or buffer.store=redis")

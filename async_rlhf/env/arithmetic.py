@@ -47,8 +47,8 @@ class AdditionTask:
         self.space = 10 ** (2 * digits)
         if not 0 <= heldout_size <= self.space // 2:
             raise ValueError(
-                f"heldout_size={heldout_size} must be between 0 and half of the {self.space} possible problems "
-                f"with digits={digits}"
+                f"heldout_size={heldout_size} must be between 0 and half of the {self.space} possible "
+                f"problems with digits={digits}"
             )
         # A separate stream from training: the held-out set depends on the seed only.
         rng = random.Random(f"addition-heldout-{digits}-{seed}")

@@ -53,7 +53,7 @@ class GeneratorActor:
         )
         self.engine = self.llm.llm_engine
         self.tokenizer = load_tokenizer(model_path)
-        self.task = make_task(cfg.task, cfg.train.seed)
+        self.task = make_task(cfg.task)
         self.version = 0
         self._lock = threading.Lock()
         self._pending_version: int | None = None

@@ -113,17 +113,9 @@ class LearnerActor:
 
     # -- training ----------------------------------------------------------------------------
     def train(self, steps: int) -> dict[str, Any]:
-        import torch
-
         from async_rlhf.buffer.client import BufferClient
-        from async_rlhf.learner.batch import collate, token_logprobs
-        from async_rlhf.learner.objectives import (
-            correction_saturated,
-            entropy_from_logits,
-            kl_penalty,
-            masked_mean,
-            policy_loss,
-        )
+        from async_rlhf.learner.batch import collate
+        from async_rlhf.learner.objectives import correction_saturated
 
         cfg = self.cfg
         client = BufferClient(self.buffer_address, cfg.buffer.request_timeout_s)
@@ -138,24 +130,7 @@ class LearnerActor:
                     groups += client.get(share - len(groups), self.version, wait_s=2.0)
                 t_data = time.perf_counter()
                 batch = collate(groups, self.pad_id, cfg.train.advantage)
-                out = self.engine(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
-                logp = token_logprobs(out.logits, batch.input_ids)
-                mask = batch.loss_mask
-                adv = batch.advantages.unsqueeze(1).expand_as(logp)
-                # one optimizer step per batch: the proximal policy is the current weights, detached
-                loss, m = policy_loss(logp, logp.detach(), batch.behav_logp, adv, mask, cfg.train.objective,
-                                      token_versions=batch.versions, current_version=self.version,
-                                      prox_version=self.version)
-                if self.ref_model is not None:
-                    with torch.no_grad():
-                        ref_logp = token_logprobs(self.ref_model(input_ids=batch.input_ids,
-                                                                 attention_mask=batch.attention_mask).logits,
-                                                  batch.input_ids)
-                    kl = masked_mean(kl_penalty(logp, ref_logp, mask, cfg.train.objective.kl_estimator), mask)
-                    loss = loss + cfg.train.objective.kl_coef * kl
-                    m["ppo/kl_ref"] = float(kl.item())
-                self.engine.backward(loss)
-                self.engine.step()
+                m = self._update(batch)
                 client.ack(batch.group_ids)
                 self.step += 1
                 t_train = time.perf_counter()
@@ -166,20 +141,17 @@ class LearnerActor:
                     if self.rank == 0:
                         client.set_version(self.version)
                 t_end = time.perf_counter()
-                stale = trained_at - batch.versions[mask > 0]
+                stale = trained_at - batch.versions[batch.loss_mask > 0]
                 if correction_saturated(m):
                     log.warning("step %d: importance weights saturate the correction (%s); samples are too "
                                 "off-policy for is_cap=%s", self.step, m, cfg.train.objective.is_cap)
-                with torch.no_grad():
-                    entropy = entropy_from_logits(out.logits[:, :-1], mask)
                 record = {
                     "step": self.step, "version": self.version, "rank": self.rank, "time": time.time(),
-                    "optim/loss": float(loss.item()), "optim/lr": cfg.train.lr,
+                    "optim/lr": cfg.train.lr,
                     "rollout/reward_mean": float(batch.rewards.mean().item()),
                     "rollout/samples": len(batch.rewards), "rollout/tokens": batch.num_tokens,
                     "staleness/mean": float(stale.float().mean().item()) if stale.numel() else 0.0,
                     "staleness/max": int(stale.max().item()) if stale.numel() else 0,
-                    "ppo/entropy": float(entropy.item()),
                     "time/data_wait_s": t_data - t0, "time/train_s": t_train - t_data, "time/push_s": t_end - t_train,
                     **m, **push,
                 }
@@ -188,6 +160,56 @@ class LearnerActor:
         finally:
             client.close()
         return {"step": self.step, "version": self.version}
+
+    def _update(self, batch: Any) -> dict[str, float]:
+        """``train.minibatches`` optimizer steps on one batch; returns metrics averaged over them (max of maxima).
+
+        The proximal policy is the weights at the start of the step: exactly the current weights (detached)
+        with one minibatch, a no-grad forward with several, or interpolated by version for
+        ``decoupled_ppo_interp``.
+        """
+        import torch
+
+        from async_rlhf.learner.batch import token_logprobs
+        from async_rlhf.learner.objectives import entropy_from_logits, kl_penalty, masked_mean, policy_loss
+
+        obj = self.cfg.train.objective
+        k = min(self.cfg.train.minibatches, batch.input_ids.shape[0])
+
+        def forward(model: Any, idx: Any) -> tuple[Any, Any]:
+            logits = model(input_ids=batch.input_ids[idx], attention_mask=batch.attention_mask[idx]).logits
+            return logits, token_logprobs(logits, batch.input_ids[idx])
+
+        prox_all = None
+        if k > 1 and obj.kind not in ("ppo", "decoupled_ppo_interp"):
+            with torch.no_grad():
+                prox_all = forward(self.engine, slice(None))[1]
+        adv = batch.advantages.unsqueeze(1).expand_as(batch.behav_logp)
+        per_step: list[dict[str, float]] = []
+        for j, idx in enumerate(torch.arange(batch.input_ids.shape[0]).chunk(k)):
+            logits, logp = forward(self.engine, idx)
+            mask = batch.loss_mask[idx]
+            prox = prox_all[idx] if prox_all is not None else (logp.detach() if k == 1 else None)
+            loss, m = policy_loss(logp, prox, batch.behav_logp[idx], adv[idx], mask, obj,
+                                  token_versions=batch.versions[idx], current_version=self.version + j / k,
+                                  prox_version=self.version)
+            if self.ref_model is not None:
+                with torch.no_grad():
+                    ref_logp = forward(self.ref_model, idx)[1]
+                kl = masked_mean(kl_penalty(logp, ref_logp, mask, obj.kl_estimator), mask)
+                loss = loss + obj.kl_coef * kl
+                m["ppo/kl_ref"] = float(kl.item())
+            self.engine.backward(loss)
+            self.engine.step()
+            with torch.no_grad():
+                m["ppo/entropy"] = float(entropy_from_logits(logits[:, :-1], mask).item())
+            m["optim/loss"] = float(loss.item())
+            per_step.append(m)
+        merged: dict[str, float] = {}
+        for key in per_step[0]:
+            values = [m[key] for m in per_step]
+            merged[key] = max(values) if key.endswith("/max") else sum(values) / len(values)
+        return merged
 
     def metrics_since(self, index: int) -> list[dict[str, Any]]:
         with self._lock:

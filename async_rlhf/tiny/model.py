@@ -46,7 +46,7 @@ def tiny_config(vocab_size: int, pad_id: int, bos_id: int, eos_id: int) -> Qwen2
 
 
 def build_tiny_model(out_dir: Path, seed: int = 0) -> Path:
-    """Randomly initialise the tiny Qwen2 and save it (weights, tokenizer, generation config) to ``out_dir``."""
+    """Randomly initialise the tiny Qwen2; save weights, tokenizer and generation config to ``out_dir``."""
     out_dir = Path(out_dir)
     tok = build_tokenizer()
     cfg = tiny_config(len(tok), tok.pad_token_id, tok.bos_token_id, tok.eos_token_id)

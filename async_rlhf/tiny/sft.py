@@ -7,17 +7,27 @@ saturated, leaving a large, measurable gain for RL.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
 import logging
 import math
+import os
+import shutil
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
+from async_rlhf.config import TaskConfig
 from async_rlhf.env.arithmetic import AdditionTask, Problem, score_completion
+from async_rlhf.tiny import model as tiny_model
+from async_rlhf.tiny.model import build_tiny_model
 from async_rlhf.tiny.tokenizer import load_tokenizer, save_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -32,7 +42,7 @@ INFO_FILE = "tiny_info.json"
 def _sft_batch(
     problems: Sequence[Problem], task: AdditionTask, tok: PreTrainedTokenizerBase
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded prompt + target + eos; ``loss_mask`` marks the predicted completion tokens (eos included)."""
+    """Right-padded prompt + target + eos; ``loss_mask`` marks the completion tokens (eos included)."""
     seqs: list[list[int]] = []
     n_prompt: list[int] = []
     for p in problems:
@@ -76,7 +86,7 @@ def sft_warm_start(
     lr: float = SFT_LR,
     seed: int = 0,
 ) -> Path:
-    """Supervised fine-tuning on ``task``'s training stream (loss on completion + eos only); saves a HF dir."""
+    """Supervised fine-tuning on ``task``'s train stream (loss on completion + eos only); saves a HF dir."""
     base_dir, out_dir = Path(base_dir), Path(out_dir)
     tok = load_tokenizer(base_dir)
     model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
@@ -106,7 +116,9 @@ def sft_warm_start(
                 )
     model.eval()
     acc = greedy_accuracy(model, tok, heldout) if heldout else 0.0
-    logger.info("sft done: %d steps in %.1f s, held-out greedy accuracy %.3f", steps, time.perf_counter() - t0, acc)
+    logger.info(
+        "sft done: %d steps in %.1f s, held-out greedy accuracy %.3f", steps, time.perf_counter() - t0, acc
+    )
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out_dir))
     save_tokenizer(tok, out_dir)
@@ -176,7 +188,9 @@ def greedy_accuracy(
         for start in range(0, len(problems), batch_size):
             chunk = problems[start : start + batch_size]
             prompts = [tokenizer.encode(p.prompt, add_special_tokens=False) for p in chunk]
-            outs = generate_batch(model, prompts, max_new_tokens, tokenizer.pad_token_id, tokenizer.eos_token_id)
+            outs = generate_batch(
+                model, prompts, max_new_tokens, tokenizer.pad_token_id, tokenizer.eos_token_id
+            )
             for p, o in zip(chunk, outs):
                 correct += score_completion(p, tokenizer.decode(o, skip_special_tokens=True))
     finally:
@@ -221,6 +235,8 @@ def _file_lock(path: Path) -> Iterator[None]:
 def prepare_tiny_policy(cache_root: Path, task_cfg: TaskConfig, seed: int = 0) -> Path:
     """Build the tiny model and its SFT warm start once; later calls with the same settings return at once.
 
+    ``seed`` drives initialisation and the SFT data order; the held-out split is always the default one
+    (``AdditionTask(digits, heldout_size)``, task seed 0), which the SFT never trains on.
     Result: ``cache_root/tiny-<hash>/``, a Hugging Face directory (model, tokenizer, generation config) plus
     ``tiny_info.json`` (settings, held-out greedy accuracy, build time). It is built in a temporary directory
     and renamed into place, so the directory exists only when complete.
@@ -241,20 +257,28 @@ def prepare_tiny_policy(cache_root: Path, task_cfg: TaskConfig, seed: int = 0) -
         t0 = time.perf_counter()
         staging = Path(tempfile.mkdtemp(prefix=f".tiny-{digest}-", dir=cache_root))
         try:
-            task = AdditionTask(digits=task_cfg.digits, heldout_size=task_cfg.heldout_size, seed=seed)
+            # The canonical held-out split (task seed 0) whatever ``seed`` is: the run evaluates on it.
+            task = AdditionTask(digits=task_cfg.digits, heldout_size=task_cfg.heldout_size)
             base = build_tiny_model(staging / "base", seed=seed)
             policy = staging / "policy"
             sft_warm_start(base, policy, task, steps=task_cfg.sft_steps, seed=seed)
             model = AutoModelForCausalLM.from_pretrained(str(policy), dtype=torch.float32)
             acc = greedy_accuracy(model, load_tokenizer(policy), task.heldout())
-            info = {"settings": settings, "heldout_greedy_accuracy": acc, "build_seconds": time.perf_counter() - t0}
+            info = {
+                "settings": settings,
+                "heldout_greedy_accuracy": acc,
+                "build_seconds": time.perf_counter() - t0,
+            }
             (policy / INFO_FILE).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
             if final.exists():  # a stale, incomplete directory from a crash of an older layout
                 shutil.rmtree(final)
             os.rename(policy, final)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
-        logger.info("tiny policy ready in %.1f s: %s (held-out greedy accuracy %.3f)", info["build_seconds"], final, acc)
+        logger.info(
+            "tiny policy ready in %.1f s: %s (held-out greedy accuracy %.3f)",
+            info["build_seconds"], final, acc,
+        )
     return final
 
 

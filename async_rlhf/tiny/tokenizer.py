@@ -1,13 +1,13 @@
-"""Character-level tokenizer for the tiny policy, saved so that ``AutoTokenizer`` (and vLLM) load it unchanged.
+"""Character-level tokenizer of the tiny policy, saved so that ``AutoTokenizer`` (and vLLM) load it unchanged.
 
 One token per character, spaces included: a ``WordLevel`` model behind a pre-tokenizer that isolates every
-character. The vocabulary is stored in GPT-2 byte-level form (a space is the vocab entry ``"Ġ"``; every other
-character of the alphabet is printable ASCII and maps to itself), with a ``ByteLevel`` step after the split and a
-``ByteLevel`` decoder. Why: with ``model_type: qwen2`` in config.json, transformers 5.x's ``AutoTokenizer``
-ignores ``tokenizer_class`` in tokenizer_config.json (qwen2 is in its list of models whose hub tokenizer class
-is "known incorrect") and builds ``Qwen2Tokenizer`` (byte-level BPE) from our vocab. A plain ``" "`` entry would
-then be unreachable and every space silently dropped; in byte-level form Qwen2's pipeline produces exactly the
-same ids and text, so transformers, vLLM and :func:`load_tokenizer` all agree.
+character. The vocabulary is stored in GPT-2 byte-level form (a space is the vocab entry ``"Ġ"``; every
+other character of the alphabet is printable ASCII and maps to itself), with a ``ByteLevel`` step after the
+split and a ``ByteLevel`` decoder. Why: with ``model_type: qwen2`` in config.json, transformers 5.x's
+``AutoTokenizer`` ignores ``tokenizer_class`` in tokenizer_config.json (qwen2 is on its list of models whose
+hub tokenizer class is "known incorrect") and builds ``Qwen2Tokenizer`` (byte-level BPE) from our vocab. A
+plain ``" "`` entry would then be unreachable and every space silently dropped; in byte-level form Qwen2's
+pipeline gives exactly the same ids and text, so transformers, vLLM and :func:`load_tokenizer` all agree.
 """
 
 from __future__ import annotations
@@ -88,6 +88,6 @@ def save_tokenizer(tok: PreTrainedTokenizerFast, out_dir: Path) -> None:
 
 
 def load_tokenizer(path: Path | str) -> PreTrainedTokenizerFast:
-    """Load the tokenizer of a tiny-model directory straight from tokenizer.json, whatever config.json says."""
+    """Load a tiny-model directory's tokenizer straight from tokenizer.json, whatever config.json says."""
     core = Tokenizer.from_file(str(Path(path) / "tokenizer.json"))
     return _wrap(core)

@@ -1,0 +1,228 @@
+"""The tiny policy: tokenizer round-trips, model loading, the addition task, greedy decoding, the SFT cache."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from async_rlhf.config import TaskConfig
+from async_rlhf.env.arithmetic import AdditionTask, Problem
+from async_rlhf.tiny.model import build_tiny_model, tiny_config
+from async_rlhf.tiny.sft import generate_batch, greedy_accuracy, prepare_tiny_policy, read_tiny_info
+from async_rlhf.tiny.tokenizer import CHARACTERS, build_tokenizer, load_tokenizer
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def built_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_unit") / "model", seed=0)
+
+
+# --- tokenizer ------------------------------------------------------------------------------------
+
+
+def test_tokenizer_ids_of_special_tokens_and_characters() -> None:
+    tok = build_tokenizer()
+    assert (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id) == (0, 1, 2)
+    ids = tok.encode(CHARACTERS, add_special_tokens=False)
+    assert ids == list(range(3, 3 + len(CHARACTERS)))
+    assert len(tok) == 3 + len(CHARACTERS) + 1  # <unk> last
+
+
+@pytest.mark.parametrize("loader", ["auto", "load_tokenizer"])
+def test_tokenizer_round_trip_from_disk(built_dir: Path, loader: str) -> None:
+    from transformers import AutoTokenizer
+
+    ref = build_tokenizer()
+    tok = AutoTokenizer.from_pretrained(str(built_dir)) if loader == "auto" else load_tokenizer(built_dir)
+    texts = ["12 + 3", CHARACTERS, "  a  b ", "07+45=52", "what is 3 * 4? 12.", ""]
+    for text in texts:
+        ids = tok.encode(text, add_special_tokens=False)
+        assert ids == ref.encode(text, add_special_tokens=False)
+        assert len(ids) == len(text)  # one token per character, spaces included
+        assert tok.decode(ids) == text
+        assert tok.decode(ids, clean_up_tokenization_spaces=False) == text
+    ids = tok.encode("46", add_special_tokens=False) + [tok.eos_token_id, tok.pad_token_id]
+    assert tok.decode(ids, skip_special_tokens=True) == "46"
+    assert (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id) == (0, 1, 2)
+    assert tok.padding_side == "left"
+
+
+def test_tokenizer_config_pins_class(built_dir: Path) -> None:
+    cfg = json.loads((built_dir / "tokenizer_config.json").read_text())
+    assert cfg["tokenizer_class"] == "PreTrainedTokenizerFast"
+    assert cfg["clean_up_tokenization_spaces"] is False
+
+
+# --- model ----------------------------------------------------------------------------------------
+
+
+def test_model_loads_with_tied_embeddings(built_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(built_dir))
+    assert type(model).__name__ == "Qwen2ForCausalLM"
+    assert model.dtype == torch.float32
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    n = sum(p.numel() for p in model.parameters())
+    assert 300_000 <= n <= 600_000
+    tok = load_tokenizer(built_dir)
+    assert model.config.vocab_size == len(tok)
+    assert (model.config.pad_token_id, model.config.bos_token_id, model.config.eos_token_id) == (0, 1, 2)
+    assert (built_dir / "generation_config.json").exists()
+
+
+def test_build_is_deterministic(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    a = load_file(str(build_tiny_model(tmp_path / "a", seed=3) / "model.safetensors"))
+    b = load_file(str(build_tiny_model(tmp_path / "b", seed=3) / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+# --- task -----------------------------------------------------------------------------------------
+
+
+def test_heldout_never_in_train_stream() -> None:
+    task = AdditionTask(digits=2, heldout_size=200, seed=0)
+    held = {(p.a, p.b) for p in task.heldout()}
+    assert len(held) == 200
+    stream = task.train_problems(seed=0)
+    seen = [next(stream) for _ in range(5000)]
+    assert not held & {(p.a, p.b) for p in seen}
+    assert all(not task.is_heldout(p) for p in seen)
+
+
+def test_task_is_deterministic() -> None:
+    a, b = AdditionTask(seed=0), AdditionTask(seed=0)
+    assert a.heldout() == b.heldout()
+    assert AdditionTask(seed=1).heldout() != a.heldout()
+    s1, s2 = a.train_problems(seed=5), b.train_problems(seed=5)
+    assert [next(s1) for _ in range(50)] == [next(s2) for _ in range(50)]
+    s3 = a.train_problems(seed=6)
+    assert [next(s3) for _ in range(50)] != [next(a.train_problems(seed=5)) for _ in range(50)]
+
+
+def test_problem_format_and_length_budget() -> None:
+    for digits in (1, 2, 3):
+        task = AdditionTask(digits=digits, heldout_size=20)
+        tok = build_tokenizer()
+        for p in task.heldout():
+            assert p.answer == str(p.a + p.b)
+            assert task.completion_target(p) == p.answer
+            n_prompt = len(tok.encode(p.prompt, add_special_tokens=False))
+            assert n_prompt + 6 <= 64
+            assert len(p.answer) + 1 <= 6  # answer + eos fits the demo's 6-token budget
+    assert AdditionTask(digits=2).make(7, 45) == Problem(7, 45, "07+45=", "52")
+
+
+def test_reward() -> None:
+    task = AdditionTask(digits=2)
+    p = task.make(7, 45)
+    for good in ("52", "52</s>", " 52", "52</s><pad><pad>", "52+1", "52 is it"):
+        assert task.reward(p, good) == 1.0, good
+    for bad in ("53", "520", "052", "5", "", "</s>", "abc", "5 2", "-52", "fifty-two"):
+        assert task.reward(p, bad) == 0.0, bad
+
+
+def test_heldout_size_is_checked() -> None:
+    with pytest.raises(ValueError):
+        AdditionTask(digits=1, heldout_size=80)
+
+
+# --- greedy decoding ------------------------------------------------------------------------------
+
+
+class _Oracle(torch.nn.Module):
+    """Emits the correct answer then eos, reading only the unmasked tokens (a forced-correct policy)."""
+
+    def __init__(self, tok, wrong: bool = False) -> None:
+        super().__init__()
+        self.tok, self.wrong = tok, wrong
+        self.dummy = torch.nn.Parameter(torch.zeros(1))
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, **_):
+        vocab = len(self.tok)
+        logits = torch.zeros(input_ids.shape[0], input_ids.shape[1], vocab)
+        for i, row in enumerate(input_ids):
+            real = row[attention_mask[i].bool()] if attention_mask is not None else row
+            text = self.tok.decode(real.tolist())
+            prompt, _, done = text.partition("=")
+            a, b = (int(x) for x in prompt.split("+"))
+            target = str(a + b + (1 if self.wrong else 0))
+            nxt = target[len(done)] if len(done) < len(target) else None
+            tid = self.tok.eos_token_id if nxt is None else self.tok.convert_tokens_to_ids(nxt)
+            logits[i, -1, tid] = 10.0
+        return SimpleNamespace(logits=logits)
+
+
+def test_greedy_accuracy_of_forced_policies() -> None:
+    tok = build_tokenizer()
+    # Mixed prompt lengths, so left padding happens inside every batch.
+    problems = [p for d in (1, 2, 3) for p in AdditionTask(digits=d, heldout_size=20).heldout()]
+    problems += [AdditionTask(digits=3).make(999, 1), Problem(5, 7, "5+7=", "12")]
+    assert greedy_accuracy(_Oracle(tok), tok, problems, batch_size=16) == 1.0
+    assert greedy_accuracy(_Oracle(tok, wrong=True), tok, problems, batch_size=16) == 0.0
+
+
+def _peaked_model(seed: int = 0):
+    """A random tiny Qwen2 with large weights, so argmax ties (and thus flaky comparisons) are unlikely."""
+    from transformers import Qwen2ForCausalLM
+
+    tok = build_tokenizer()
+    cfg = tiny_config(len(tok), tok.pad_token_id, tok.bos_token_id, tok.eos_token_id)
+    cfg.initializer_range = 0.3
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(cfg).eval(), tok
+
+
+@torch.no_grad()
+def _greedy_unpadded(model, prompt: list[int], max_new: int, eos: int) -> list[int]:
+    ids, out = list(prompt), []
+    for _ in range(max_new):
+        nxt = int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax())
+        out.append(nxt)
+        if nxt == eos:
+            break
+        ids.append(nxt)
+    return out
+
+
+def test_batched_left_padded_decode_matches_unpadded() -> None:
+    model, tok = _peaked_model()
+    texts = ["1+2=", "12+34=", "123+456=", "7+89=", "0+0=", "99+1=", " a b c ="]
+    prompts = [tok.encode(t, add_special_tokens=False) for t in texts]
+    batched = generate_batch(model, prompts, 6, tok.pad_token_id, tok.eos_token_id)
+    for p, got in zip(prompts, batched):
+        assert got == _greedy_unpadded(model, p, 6, tok.eos_token_id)
+
+
+# --- SFT cache ------------------------------------------------------------------------------------
+
+
+def test_prepare_tiny_policy_caches(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    cfg = TaskConfig(digits=2, heldout_size=50, sft_steps=3)
+    path = prepare_tiny_policy(tmp_path, cfg, seed=0)
+    assert path.parent == tmp_path and path.name.startswith("tiny-")
+    info = read_tiny_info(path)
+    assert info["settings"]["sft_steps"] == 3 and 0.0 <= info["heldout_greedy_accuracy"] <= 1.0
+    AutoModelForCausalLM.from_pretrained(str(path))
+    assert load_tokenizer(path).decode(load_tokenizer(path).encode("1 + 2")) == "1 + 2"
+    stamp = (path / "model.safetensors").stat().st_mtime_ns
+    t0 = time.perf_counter()
+    assert prepare_tiny_policy(tmp_path, cfg, seed=0) == path
+    assert time.perf_counter() - t0 < 1.0
+    assert (path / "model.safetensors").stat().st_mtime_ns == stamp
+    other = prepare_tiny_policy(tmp_path, TaskConfig(digits=2, heldout_size=50, sft_steps=4), seed=0)
+    assert other != path
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == sorted(
+        [path.name, other.name]
+    )
