@@ -56,8 +56,15 @@ class BufferClient:
 
     def request(self, kind: str, timeout_s: float | None = None, **fields: Any) -> dict[str, Any]:
         req_id = next(self._ids)
-        self._sock.send(encode(kind, req_id=req_id, **fields))
-        deadline = time.monotonic() + (timeout_s if timeout_s is not None else self.timeout_s)
+        wait = timeout_s if timeout_s is not None else self.timeout_s
+        deadline = time.monotonic() + wait
+        # a DEALER with no live peer (e.g. a refused CURVE handshake) blocks in send: bound that wait too
+        self._sock.setsockopt(zmq.SNDTIMEO, max(1, int(wait * 1000)))
+        try:
+            self._sock.send(encode(kind, req_id=req_id, **fields))
+        except zmq.Again:
+            raise BufferUnavailable(f"buffer service at {self.address} accepted no '{kind}' request within "
+                                    f"{wait:g} s (no connection; for CURVE check the keys)") from None
         while True:
             left_ms = int((deadline - time.monotonic()) * 1000)
             if left_ms <= 0 or not self._sock.poll(left_ms):
