@@ -314,6 +314,18 @@ def validate(cfg: Config) -> Config:
     if cfg.train.group_size < 2 and cfg.train.advantage in ("grpo", "dr_grpo", "rloo"):
         raise ConfigError(f"train.advantage={cfg.train.advantage} compares samples of a group: "
                           "set train.group_size to 2 or more")
+    b = cfg.buffer
+    if b.capacity < 0 or (b.capacity and b.capacity < cfg.train.batch_size * 2):
+        raise ConfigError(f"buffer.capacity ({b.capacity}) must be 0 (unbounded) or at least twice "
+                          f"train.batch_size ({cfg.train.batch_size}), or learners could never fill a batch")
+    if b.visibility_timeout_s <= 0 or b.redis_retry_s <= 0 or b.request_timeout_s <= 0:
+        raise ConfigError("buffer.visibility_timeout_s, buffer.redis_retry_s and buffer.request_timeout_s "
+                          "must be above 0")
+    if b.curve and not all((b.curve_secret_key, b.curve_public_key, b.curve_client_keys,
+                            b.curve_client_secret_key, b.curve_client_public_key)):
+        raise ConfigError("buffer.curve=true needs curve_secret_key, curve_public_key, curve_client_keys, "
+                          "curve_client_secret_key and curve_client_public_key (make them with "
+                          "python -m async_rlhf.buffer keygen)")
     if cfg.learner.zero_stage > 3:
         raise ConfigError(f"learner.zero_stage must be 0, 1, 2 or 3, got {cfg.learner.zero_stage}")
     obj = cfg.train.objective

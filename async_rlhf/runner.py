@@ -118,11 +118,11 @@ def train(cfg: Config, cluster: Cluster, run_dir: Path) -> dict[str, Any]:
     """Run the learners for ``train.steps`` while the generators stream rollouts; returns run figures."""
     import ray
 
-    from async_rlhf.buffer.client import BufferClient
+    from async_rlhf.buffer.build import make_client
     from async_rlhf.metrics import MetricsWriter
 
     writer = MetricsWriter(run_dir)
-    buffer = BufferClient(cluster.buffer_address, cfg.buffer.request_timeout_s)
+    buffer = make_client(cfg, cluster.buffer_address, consumer="launcher")
     t_start = time.time()
     gen_runs = [g.run.remote() for g in cluster.generators]
     train_refs = [lr.train.remote(cfg.train.steps) for lr in cluster.learners]

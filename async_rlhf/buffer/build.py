@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from async_rlhf.buffer.client import BufferClient
 from async_rlhf.buffer.curve import CurveClientKeys, CurveServerKeys, parse_keys
 from async_rlhf.buffer.logic import BufferLogic
 from async_rlhf.buffer.service import BufferService
@@ -33,3 +34,10 @@ def client_keys(b: BufferConfig) -> CurveClientKeys | None:
 def build_service(cfg: Config) -> BufferService:
     b = cfg.buffer
     return BufferService(build_logic(cfg), b.host, b.port, b.max_message_mb << 20, curve=server_keys(b))
+
+
+def make_client(cfg: Config, address: str, consumer: str | None = None) -> BufferClient:
+    """A client of the run's buffer service, with the run's timeouts and CURVE keys."""
+    b = cfg.buffer
+    return BufferClient(address, b.request_timeout_s, b.max_message_mb << 20, consumer=consumer,
+                        curve=client_keys(b))

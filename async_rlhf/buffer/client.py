@@ -7,17 +7,22 @@ records which consumer holds which delivered groups, so a dead learner's groups 
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import socket
 import time
 import uuid
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import zmq
 
 from async_rlhf.buffer.curve import CurveClientKeys, secure_client
 from async_rlhf.types import Group
 from async_rlhf.wire import decode, encode
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class BufferUnavailable(RuntimeError):
@@ -123,3 +128,22 @@ class BufferClient:
     def stats(self, ledger: bool = False) -> dict[str, Any]:
         r = self.request("stats", ledger=ledger)
         return {k: v for k, v in r.items() if k not in ("schema", "kind", "req_id")}
+
+
+def with_retry(call: Callable[[], T], what: str, give_up_after_s: float) -> T:
+    """Retry ``call`` while the buffer is unreachable (restarting, or full) for up to ``give_up_after_s``.
+
+    Every request a retry can repeat is idempotent on the service side (puts by group id, acks by id,
+    versions by value), so a reply lost in a restart is harmless.
+    """
+    deadline = time.monotonic() + give_up_after_s
+    delay = 0.1
+    while True:
+        try:
+            return call()
+        except BufferUnavailable as exc:
+            if time.monotonic() >= deadline:
+                raise BufferUnavailable(f"{what}: gave up after {give_up_after_s:g} s: {exc}") from exc
+            log.warning("%s: %s; retrying in %.1f s", what, exc, delay)
+            time.sleep(delay)
+            delay = min(delay * 2, 5.0)

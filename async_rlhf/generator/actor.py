@@ -23,7 +23,8 @@ import time
 import uuid
 from typing import Any
 
-from async_rlhf.buffer.client import BufferClient
+from async_rlhf.buffer.build import make_client
+from async_rlhf.buffer.client import BufferClient, with_retry
 from async_rlhf.config import Config
 from async_rlhf.env.registry import make_task
 from async_rlhf.generator.rollout import GroupInProgress, RolloutTracker
@@ -104,7 +105,8 @@ class GeneratorActor:
 
         cfg = self.cfg
         gen_cfg = cfg.generator
-        client = BufferClient(self.buffer_address, cfg.buffer.request_timeout_s)
+        client = make_client(cfg, self.buffer_address, consumer=f"generator-{self.gen_id}")
+        patience = cfg.buffer.redis_retry_s + cfg.buffer.request_timeout_s
         sample_params = SamplingParams(
             max_tokens=gen_cfg.max_new_tokens, temperature=gen_cfg.temperature, logprobs=0,
             output_kind=RequestOutputKind.DELTA,
@@ -139,7 +141,7 @@ class GeneratorActor:
                 # 3) admission
                 want = gen_cfg.groups_in_flight - len(tracker)
                 if want > 0 and not (pending is not None and drain) and time.monotonic() - last_refused > 0.005:
-                    granted, _ = client.admit(want)
+                    granted, _ = with_retry(lambda: client.admit(want), "admit", patience)
                     if granted < want:
                         last_refused = time.monotonic()
                     for _ in range(granted):
@@ -176,7 +178,7 @@ class GeneratorActor:
                     done = tracker.on_output(out.request_id, list(c.token_ids), lps, self.version,
                                              c.finish_reason if out.finished else None)
                     if done is not None:
-                        self._finish_group(done, client)
+                        self._finish_group(done, client, patience)
         finally:
             abandoned = [f"{gid}/{i}" for gid, g in tracker.groups.items() for i in range(g.n)]
             if eval_pending:
@@ -207,7 +209,7 @@ class GeneratorActor:
         with self._lock:
             self.evals.append({"version": version, "accuracy": correct / len(problems), "time": time.time()})
 
-    def _finish_group(self, done: GroupInProgress, client: BufferClient) -> None:
+    def _finish_group(self, done: GroupInProgress, client: BufferClient, patience: float) -> None:
         problem = self.task.make(done.meta["a"], done.meta["b"])
         try:
             texts = [self.tokenizer.decode(t, skip_special_tokens=True) for t in done.tokens]
@@ -221,7 +223,7 @@ class GeneratorActor:
             client.release(1)
             return
         group = done.to_group(rewards, self.gen_id)
-        client.put(group)
+        with_retry(lambda: client.put(group), f"put {group.group_id}", patience)
         with self._lock:
             self.produced.append(done.group_id)
             self.counters["groups"] += 1

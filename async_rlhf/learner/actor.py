@@ -113,12 +113,14 @@ class LearnerActor:
 
     # -- training ----------------------------------------------------------------------------
     def train(self, steps: int) -> dict[str, Any]:
-        from async_rlhf.buffer.client import BufferClient
+        from async_rlhf.buffer.build import make_client
+        from async_rlhf.buffer.client import with_retry
         from async_rlhf.learner.batch import collate
         from async_rlhf.learner.objectives import correction_saturated
 
         cfg = self.cfg
-        client = BufferClient(self.buffer_address, cfg.buffer.request_timeout_s)
+        client = make_client(cfg, self.buffer_address, consumer=f"learner-{self.rank}")
+        patience = cfg.buffer.redis_retry_s + cfg.buffer.request_timeout_s
         share = cfg.train.batch_size // self.world_size
         self.engine.train()
         try:
@@ -127,11 +129,12 @@ class LearnerActor:
                 trained_at = self.version
                 groups = []
                 while len(groups) < share:
-                    groups += client.get(share - len(groups), self.version, wait_s=2.0)
+                    want = share - len(groups)
+                    groups += with_retry(lambda: client.get(want, self.version, wait_s=2.0), "get", patience)
                 t_data = time.perf_counter()
                 batch = collate(groups, self.pad_id, cfg.train.advantage)
                 m = self._update(batch)
-                client.ack(batch.group_ids)
+                with_retry(lambda: client.ack(batch.group_ids), "ack", patience)
                 self.step += 1
                 t_train = time.perf_counter()
                 push: dict[str, float] = {}
@@ -139,7 +142,7 @@ class LearnerActor:
                     push = self._push(self.version + 1)
                     self.version += 1
                     if self.rank == 0:
-                        client.set_version(self.version)
+                        with_retry(lambda: client.set_version(self.version), "set_version", patience)
                 t_end = time.perf_counter()
                 stale = trained_at - batch.versions[batch.loss_mask > 0]
                 if correction_saturated(m):
