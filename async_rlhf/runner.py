@@ -167,6 +167,8 @@ def train(cfg: Config, cluster: Cluster, run_dir: Path) -> dict[str, Any]:
         buffer.close()
         writer.close()
     gen_final = ray.get(gen_runs)
+    timelines = ray.get([g.timeline_dict.remote() for g in cluster.generators]
+                        + [lr.timeline_dict.remote() for lr in cluster.learners])
     leftover = ray.get(cluster.buffer.drop_held.remote("unconsumed_at_shutdown"))
     if leftover:
         print(f"{leftover} finished prompt group(s) were still in the buffer at the end: counted as dropped "
@@ -182,41 +184,21 @@ def train(cfg: Config, cluster: Cluster, run_dir: Path) -> dict[str, Any]:
         "learner_samples_per_s": sum(r["rollout/samples"] for r in records) / wall,
         "weight_push_s": sum(push_times) / len(push_times) if push_times else 0.0,
         "generator_stats": gen_final,
+        "timelines": timelines,
     }
 
 
-def plot_learning_curve(records: list[dict[str, Any]], evals: list[dict[str, float]], path: Path,
-                        start_acc: float | None = None, end_acc: float | None = None) -> None:
-    import matplotlib
+def write_timeline(figures: dict[str, Any], run_dir: Path) -> dict[str, float]:
+    """timeline.json and timeline.png in the run directory; returns busy fractions per role kind."""
+    from async_rlhf.plots import plot_timeline, role_busy_fraction
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(1, 2, figsize=(11, 4))
-    steps = [r["step"] for r in records]
-    ax[0].plot(steps, [r["rollout/reward_mean"] for r in records], lw=0.8, alpha=0.5, label="batch reward")
-    k = 10
-    if len(records) >= k:
-        smooth = [sum(r["rollout/reward_mean"] for r in records[i - k:i]) / k for i in range(k, len(records) + 1)]
-        ax[0].plot(steps[k - 1:], smooth, lw=2, label=f"reward ({k}-step mean)")
-    if evals:
-        ax[0].plot([e["version"] for e in evals], [e["accuracy"] for e in evals], "o-", label="held-out greedy (vLLM)")
-    if start_acc is not None and end_acc is not None and steps:
-        ax[0].plot([0, steps[-1]], [start_acc, end_acc], "k*", ms=10, label="held-out greedy (transformers)")
-    ax[0].set_xlabel("learner step")
-    ax[0].set_ylabel("reward / accuracy")
-    ax[0].set_ylim(0, 1)
-    ax[0].legend(loc="lower right")
-    ax[0].set_title("learning curve")
-    t0 = records[0]["time"] if records else 0
-    ax[1].plot([r["time"] - t0 for r in records], [r["rollout/reward_mean"] for r in records], lw=0.8)
-    ax[1].set_xlabel("wall time since first step (s)")
-    ax[1].set_ylabel("batch reward")
-    ax[1].set_ylim(0, 1)
-    ax[1].set_title("reward against wall time")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    timelines = figures["timelines"]
+    (run_dir / "timeline.json").write_text(json.dumps(timelines))
+    plot_timeline(timelines, figures["t_start"], run_dir / "timeline.png")
+    fractions: dict[str, list[float]] = {}
+    for tl in timelines:
+        fractions.setdefault(str(tl["role"]).split()[0], []).append(role_busy_fraction(tl))
+    return {f"{kind}_busy_fraction": sum(v) / len(v) for kind, v in fractions.items()}
 
 
 def run(cfg: Config, address: str | None = None, cache_root: Path = Path("runs/cache")) -> dict[str, Any]:
@@ -239,7 +221,10 @@ def run(cfg: Config, address: str | None = None, cache_root: Path = Path("runs/c
     finally:
         cluster.shutdown()
     end_acc = heldout_accuracy(policy_dir, cfg)
+    from async_rlhf.plots import plot_learning_curve
+
     plot_learning_curve(figures["records"], figures["evals"], run_dir / "learning_curve.png", start_acc, end_acc)
+    busy = write_timeline(figures, run_dir)
     summary = {
         "accuracy_start": start_acc,
         "accuracy_end": end_acc,
@@ -248,6 +233,7 @@ def run(cfg: Config, address: str | None = None, cache_root: Path = Path("runs/c
         "generated_tokens_per_s": figures["generated_tokens_per_s"],
         "learner_samples_per_s": figures["learner_samples_per_s"],
         "weight_push_s": figures["weight_push_s"],
+        **busy,
         "steps": cfg.train.steps,
         "final_version": figures["records"][-1]["version"] if figures["records"] else 0,
         "policy_dir": policy_dir,

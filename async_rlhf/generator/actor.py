@@ -28,6 +28,7 @@ from async_rlhf.buffer.client import BufferClient, with_retry
 from async_rlhf.config import Config
 from async_rlhf.env.registry import make_task
 from async_rlhf.generator.rollout import GroupInProgress, RolloutTracker
+from async_rlhf.timeline import Timeline
 
 log = logging.getLogger(__name__)
 
@@ -62,9 +63,9 @@ class GeneratorActor:
         self._running = threading.Event()
         self._run_tag = uuid.uuid4().hex[:6]
         self.counters: dict[str, float] = {
-            "tokens": 0, "groups": 0, "samples": 0, "reward_sum": 0.0, "reward_errors": 0,
-            "time_generating_s": 0.0, "time_waiting_admission_s": 0.0, "time_paused_s": 0.0, "updates": 0,
+            "tokens": 0, "groups": 0, "samples": 0, "reward_sum": 0.0, "reward_errors": 0, "updates": 0,
         }
+        self.timeline = Timeline(f"generator {gen_id}")
         self.produced: list[str] = []
         self.dropped: dict[str, str] = {}
         self.evals: list[dict[str, float]] = []
@@ -90,7 +91,11 @@ class GeneratorActor:
     def stats(self) -> dict[str, Any]:
         with self._lock:
             return {"gen_id": self.gen_id, "version": self.version, "in_flight": self._in_flight,
-                    **self.counters, "evals": list(self.evals)}
+                    **self.counters, "evals": list(self.evals),
+                    **{f"time/{k}_s": v for k, v in self.timeline.totals().items()}}
+
+    def timeline_dict(self) -> dict[str, Any]:
+        return self.timeline.to_dict()
 
     def ledger(self) -> dict[str, Any]:
         with self._lock:
@@ -155,13 +160,11 @@ class GeneratorActor:
                 self._in_flight = len(tracker)
                 # 4) one engine step
                 if not self.engine.has_unfinished_requests():
-                    t0 = time.perf_counter()
+                    self.timeline.enter("wait_admission")
                     time.sleep(0.002)
-                    self.counters["time_waiting_admission_s"] += time.perf_counter() - t0
                     continue
-                t0 = time.perf_counter()
+                self.timeline.enter("generate")
                 outputs = self.engine.step()
-                self.counters["time_generating_s"] += time.perf_counter() - t0
                 for out in outputs:
                     if out.request_id.startswith(EVAL_PREFIX):
                         if out.finished:
@@ -178,8 +181,10 @@ class GeneratorActor:
                     done = tracker.on_output(out.request_id, list(c.token_ids), lps, self.version,
                                              c.finish_reason if out.finished else None)
                     if done is not None:
+                        self.timeline.enter("reward_and_put")
                         self._finish_group(done, client, patience)
         finally:
+            self.timeline.stop()
             abandoned = [f"{gid}/{i}" for gid, g in tracker.groups.items() for i in range(g.n)]
             if eval_pending:
                 abandoned += [f"{EVAL_PREFIX}{i}" for i in range(len(self.task.heldout()))]
@@ -193,13 +198,12 @@ class GeneratorActor:
         return self.stats()
 
     def _load_version(self, version: int) -> None:
-        t0 = time.perf_counter()
+        self.timeline.enter("paused_for_push")
         timing = self.llm.collective_rpc("receive_weights")[0]
         with self._lock:
             self.version = version
             if self._pending_version == version:
                 self._pending_version = None
-            self.counters["time_paused_s"] += time.perf_counter() - t0
             self.counters["updates"] += 1
             self.push_timings.append(timing)
 

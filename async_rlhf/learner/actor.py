@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from async_rlhf.config import Config
+from async_rlhf.timeline import Timeline
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +68,7 @@ class LearnerActor:
         self._lock = threading.Lock()
         self._sender = None
         self._generators: list[Any] = []
+        self.timeline = Timeline(f"learner {rank}")
 
     def ready(self) -> int:
         return self.rank
@@ -128,10 +130,12 @@ class LearnerActor:
                 t0 = time.perf_counter()
                 trained_at = self.version
                 groups = []
+                self.timeline.enter("wait_data")
                 while len(groups) < share:
                     want = share - len(groups)
                     groups += with_retry(lambda: client.get(want, self.version, wait_s=2.0), "get", patience)
                 t_data = time.perf_counter()
+                self.timeline.enter("compute")
                 batch = collate(groups, self.pad_id, cfg.train.advantage)
                 m = self._update(batch)
                 with_retry(lambda: client.ack(batch.group_ids), "ack", patience)
@@ -139,6 +143,7 @@ class LearnerActor:
                 t_train = time.perf_counter()
                 push: dict[str, float] = {}
                 if self.step % cfg.train.push_every == 0:
+                    self.timeline.enter("push")
                     push = self._push(self.version + 1)
                     self.version += 1
                     if self.rank == 0:
@@ -161,8 +166,12 @@ class LearnerActor:
                 with self._lock:
                     self.metrics.append(record)
         finally:
+            self.timeline.stop()
             client.close()
         return {"step": self.step, "version": self.version}
+
+    def timeline_dict(self) -> dict[str, Any]:
+        return self.timeline.to_dict()
 
     def _update(self, batch: Any) -> dict[str, float]:
         """``train.minibatches`` optimizer steps on one batch; returns metrics averaged over them (max of maxima).

@@ -1,0 +1,34 @@
+from __future__ import annotations
+
+import pytest
+
+from async_rlhf.plots import role_busy_fraction
+from async_rlhf.timeline import Timeline, busy_fraction
+
+
+def test_intervals_and_totals_follow_state_changes() -> None:
+    tl = Timeline("generator 0")
+    tl.enter("generate", now=10.0)
+    tl.enter("generate", now=11.0)  # same state: nothing closes
+    tl.enter("wait_admission", now=13.0)
+    tl.enter("generate", now=13.5)
+    tl.stop(now=16.0)
+    assert tl.intervals() == [("generate", 10.0, 13.0), ("wait_admission", 13.0, 13.5), ("generate", 13.5, 16.0)]
+    assert tl.totals() == {"generate": 5.5, "wait_admission": 0.5}
+    assert busy_fraction(tl.totals(), ("generate",)) == pytest.approx(5.5 / 6.0)
+
+
+def test_interval_cap_keeps_totals_exact() -> None:
+    tl = Timeline("learner 0", max_intervals=2)
+    for i, state in enumerate(["wait_data", "compute", "push", "compute"]):
+        tl.enter(state, now=float(i))
+    tl.stop(now=4.0)
+    assert len(tl.intervals()) == 2
+    assert tl.totals() == {"wait_data": 1.0, "compute": 2.0, "push": 1.0}
+
+
+def test_role_busy_fraction_uses_the_role_kind() -> None:
+    learner = {"role": "learner 1", "totals": {"compute": 3.0, "push": 1.0, "wait_data": 4.0}}
+    generator = {"role": "generator 0", "totals": {"generate": 9.0, "wait_admission": 1.0}}
+    assert role_busy_fraction(learner) == pytest.approx(0.5)
+    assert role_busy_fraction(generator) == pytest.approx(0.9)
