@@ -3,18 +3,30 @@
 vLLM instantiates this class as a mixin of its worker (``LLM(worker_extension_cls=...)``) and
 ``llm.collective_rpc("name", args=...)`` calls its methods inside the worker, where
 ``self.model_runner`` is available. The same code runs in the GPU worker process with NCCL.
+
+    generator actor                               worker (this class)
+    ---------------                               -------------------
+    collective_rpc("init_receiver", ...)    --->  connect to the sender's store (no group yet)
+    initial member:
+      collective_rpc("join_push_group")     --->  wait until the sender forms the group
+    late joiner / restarted generator, before serving anything:
+      collective_rpc("receive_update")      --->  join at the sender's next push and load that version
+    at each update (between two engine steps):
+      collective_rpc("receive_update")      --->  receive buckets, reload_weights as they arrive,
+                                                  redo the tied lm_head's packing, ack
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from typing import Any, Protocol
 
 import torch
 
 from async_rlhf.sync.group import make_group
 from async_rlhf.sync.layout import layout_from_wire
-from async_rlhf.sync.receiver import acknowledge, receive_buckets
+from async_rlhf.sync.receiver import Receiver, acknowledge, receive_buckets
 
 
 class LikeWorker(Protocol):
@@ -37,7 +49,45 @@ def refresh_tied_lm_head(model: torch.nn.Module) -> None:
 
 class WeightSyncWorker:
     _pg: Any = None
+    _receiver: Receiver | None = None
 
+    # -- the push group with membership epochs (async_rlhf.sync.receiver.Receiver) ----------------
+    def init_receiver(self: LikeWorker, host: str, port: int, member_id: str, layout: list[dict[str, Any]],
+                      backend: str = "gloo", timeout_s: float = 120.0) -> None:
+        """Connect to the sender's store as ``member_id`` (a stable id such as ``gen0``)."""
+        self._receiver = Receiver(layout_from_wire(layout), member_id, host, port, backend, timeout_s)
+
+    def set_weight_layout(self: LikeWorker, layout: list[dict[str, Any]]) -> None:
+        """Change the bucket layout (the sender must change it at the same version boundary)."""
+        self._get_receiver().use_layout(layout_from_wire(layout))
+
+    def join_push_group(self: LikeWorker, timeout_s: float | None = None) -> int:
+        """Initial member: block until the sender forms the group; returns the epoch."""
+        return self._get_receiver().join(timeout_s)
+
+    def receive_update(self: LikeWorker, timeout_s: float | None = None,
+                       refresh_lm_head: bool = True) -> dict[str, Any]:
+        """Receive the next pushed version into the engine; returns its version, epoch and timings.
+
+        ``refresh_lm_head=False`` skips the tied lm_head's re-processing: only tests use it, to show
+        that it is needed.
+        """
+        runner = self.model_runner
+
+        def load(weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+            runner.reload_weights(weights_iterator=weights)
+            if refresh_lm_head:
+                refresh_tied_lm_head(runner.get_model())
+
+        got = self._get_receiver().receive(load, timeout_s)
+        return {"version": got.version, "epoch": got.epoch, **got.metrics}
+
+    def _get_receiver(self: LikeWorker) -> Receiver:
+        if self._receiver is None:
+            raise RuntimeError("init_receiver was never called: this worker has no push group")
+        return self._receiver
+
+    # -- the first, rank-based group (the generator actor still calls these) ----------------------
     def init_weight_sync(self: LikeWorker, host: str, port: int, world_size: int, rank: int,
                          layout: list[dict[str, Any]], backend: str, timeout_s: float) -> None:
         self._buckets = layout_from_wire(layout)

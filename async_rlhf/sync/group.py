@@ -1,20 +1,45 @@
-"""The weight-push process group: {learner rank 0, every generator worker}, on its own TCPStore.
+"""Process-group plumbing of the weight push: the store, one group per membership epoch, bounded waits.
 
     rank 0            rank 1          rank 2                rank N
-    learner rank 0    generator 0     generator 1    ...    generator N-1
-    (sender, hosts    (receiver, inside its vLLM worker)
+    learner rank 0    member 0        member 1       ...    member N-1      (members = generator workers)
+    (sender, hosts    (receivers, inside their vLLM workers)
      the TCPStore)
 
-It is apart from the learners' default group, so a generator that dies never touches the data-parallel
-collectives of the learners. Every wait on it is bounded by ``timeout_s``.
+The group is apart from the learners' default group, so a generator that dies never touches the
+data-parallel collectives of the learners. A gloo op whose peer is dead or hung does not fail until its
+own timeout, and ``abort()`` does not cancel it, so every wait here is sliced: between slices we check a
+deadline and an abort condition (a store key), so the caller decides when to give up. A group whose op
+was abandoned is never reused: membership code opens a new epoch, and the old group is released only
+once that op has timed out (its destructor would block until then).
+
+``make_group``, ``broadcast`` and ``allreduce_sum`` are the first, rank-based API (kept while the actors
+move to :class:`async_rlhf.sync.sender.Sender` and :class:`async_rlhf.sync.receiver.Receiver`).
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import logging
 import socket
+import time
+from collections.abc import Callable
 
+import torch
 import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+
+class SyncError(RuntimeError):
+    """A weight-push operation failed or did not finish in time."""
+
+
+class SyncTimeout(SyncError):
+    """A bounded wait reached its deadline."""
+
+
+class Aborted(SyncError):
+    """The other side gave up on this push (an abort or failure key appeared)."""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -23,28 +48,119 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def make_group(host: str, port: int, world_size: int, rank: int, backend: str = "gloo",
-               timeout_s: float = 120.0) -> dist.ProcessGroup:
-    timeout = dt.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(host, port, world_size, is_master=(rank == 0), timeout=timeout,
-                          wait_for_workers=True)
+def seconds(s: float) -> dt.timedelta:
+    return dt.timedelta(seconds=max(s, 0.001))
+
+
+def left(deadline: float) -> float:
+    return deadline - time.monotonic()
+
+
+def host_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
+    """The sender's store: it never waits for workers, members come and go through epochs."""
+    return dist.TCPStore(host, port, None, True, timeout=seconds(timeout_s), wait_for_workers=False)
+
+
+def connect_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
+    """A member's client of the sender's store; connecting retries until ``timeout_s`` (then raises)."""
+    try:
+        return dist.TCPStore(host, port, None, False, timeout=seconds(timeout_s), wait_for_workers=False)
+    except Exception as exc:
+        raise SyncTimeout(f"could not reach the weight-push store at {host}:{port} within {timeout_s:.1f}s: "
+                          f"{exc}") from exc
+
+
+def store_wait(store: dist.Store, keys: list[str], deadline: float, what: str) -> None:
+    """Wait until every key exists, or raise :class:`SyncTimeout` naming ``what``."""
+    if not keys:
+        return
+    remaining = left(deadline)
+    if remaining <= 0 and not store.check(keys):
+        raise SyncTimeout(f"timed out waiting for {what}")
+    try:
+        store.wait(keys, seconds(remaining))
+    except Exception as exc:
+        raise SyncTimeout(f"timed out waiting for {what}") from exc
+
+
+def build_pg(store: dist.Store, rank: int, world: int, backend: str, timeout_s: float) -> dist.ProcessGroup:
+    """A process group on ``store`` (already prefixed per epoch); its rendezvous is bounded by ``timeout_s``."""
+    timeout = seconds(timeout_s)
     if backend == "gloo":
-        return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+        return dist.ProcessGroupGloo(store, rank, world, timeout)
     if backend == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
-        return dist.ProcessGroupNCCL(store, rank, world_size, opts)
+        return dist.ProcessGroupNCCL(store, rank, world, opts)
     raise ValueError(f"sync.backend={backend!r}: use gloo (CPU) or nccl (GPU)")
 
 
-def broadcast(pg: dist.ProcessGroup, tensor, root: int, timeout_s: float) -> None:
+_RETIRED: list[tuple[dist.ProcessGroup, list[dist.Work]]] = []
+
+
+def retire(pg: dist.ProcessGroup | None, pending: list[dist.Work]) -> None:
+    """Forget a group. One with an abandoned op is kept alive until that op ends by its own timeout:
+    its destructor would block until then. Retired groups whose ops have all ended are released here."""
+    if pg is not None:
+        _RETIRED.append((pg, [w for w in pending if not w.is_completed()]))
+    _RETIRED[:] = [(g, ws) for g, ws in _RETIRED if not all(w.is_completed() for w in ws)]
+
+
+def post_broadcast(pg: dist.ProcessGroup, tensor: torch.Tensor, root: int = 0) -> dist.Work:
     opts = dist.BroadcastOptions()
     opts.rootRank = root
     opts.rootTensor = 0
-    pg.broadcast([tensor], opts).wait(dt.timedelta(seconds=timeout_s))
+    return pg.broadcast([tensor], opts)
 
 
-def allreduce_sum(pg: dist.ProcessGroup, tensor, timeout_s: float) -> None:
+def wait_work(work: dist.Work, deadline: float, what: str, abort: Callable[[], str | None] | None = None,
+              slice_s: float = 0.2) -> None:
+    """Wait for an async op until ``deadline``; between slices ask ``abort()`` whether to give up.
+
+    A wait that completes in time costs nothing extra (the slice only bounds how long one wait blocks).
+    Raises :class:`SyncTimeout`, :class:`Aborted`, or :class:`SyncError` with the backend's own error.
+    """
+    while True:
+        remaining = left(deadline)
+        if remaining <= 0:
+            raise SyncTimeout(f"timed out waiting for {what}")
+        try:
+            work.wait(seconds(min(slice_s, remaining)))
+            return
+        except Exception as exc:  # "Operation timed out!" for a slice, or the op's own failure
+            if work.is_completed():
+                try:
+                    work.wait()
+                    return
+                except Exception as final:
+                    raise SyncError(f"{what} failed: {final}") from final
+            if not _is_slice_timeout(exc):
+                raise SyncError(f"{what} failed: {exc}") from exc
+        if abort is not None:
+            reason = abort()
+            if reason:
+                raise Aborted(f"{what} abandoned: {reason}")
+
+
+def _is_slice_timeout(exc: Exception) -> bool:
+    return "timed out" in str(exc).lower()
+
+
+# -- the first, rank-based API (the actors still call it) -----------------------------------------
+
+def make_group(host: str, port: int, world_size: int, rank: int, backend: str = "gloo",
+               timeout_s: float = 120.0) -> dist.ProcessGroup:
+    timeout = seconds(timeout_s)
+    store = dist.TCPStore(host, port, world_size, is_master=(rank == 0), timeout=timeout,
+                          wait_for_workers=True)
+    return build_pg(store, rank, world_size, backend, timeout_s)
+
+
+def broadcast(pg: dist.ProcessGroup, tensor: torch.Tensor, root: int, timeout_s: float) -> None:
+    post_broadcast(pg, tensor, root).wait(seconds(timeout_s))
+
+
+def allreduce_sum(pg: dist.ProcessGroup, tensor: torch.Tensor, timeout_s: float) -> None:
     opts = dist.AllreduceOptions()
     opts.reduceOp = dist.ReduceOp.SUM
-    pg.allreduce([tensor], opts).wait(dt.timedelta(seconds=timeout_s))
+    pg.allreduce([tensor], opts).wait(seconds(timeout_s))

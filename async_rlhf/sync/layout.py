@@ -12,6 +12,8 @@ lists of strings and integers.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -50,6 +52,12 @@ class Bucket:
         return self.numel * DTYPE_BYTES[self.dtype]
 
 
+def auto_bucket_bytes(total_bytes: int, target_buckets: int = 8, lo: int = 4 << 20, hi: int = 64 << 20) -> int:
+    """A bucket size that gives the push about ``target_buckets`` buckets to pipeline (packing and loading
+    of one overlap the transfer of the next), within [lo, hi] (per-op overhead below, memory above)."""
+    return int(min(max(total_bytes // target_buckets, lo), hi))
+
+
 def plan_buckets(specs: Iterable[TensorSpec], bucket_bytes: int) -> list[Bucket]:
     if bucket_bytes <= 0:
         raise ValueError("bucket_bytes must be positive")
@@ -80,6 +88,11 @@ def layout_to_wire(buckets: list[Bucket]) -> list[dict[str, Any]]:
          "entries": [[e.name, list(e.shape), e.offset, e.numel] for e in b.entries]}
         for b in buckets
     ]
+
+
+def layout_digest(buckets: list[Bucket]) -> str:
+    """A short fingerprint of a layout: the push header carries the sender's, a receiver checks its own."""
+    return hashlib.sha1(json.dumps(layout_to_wire(buckets), separators=(",", ":")).encode()).hexdigest()[:16]
 
 
 def layout_from_wire(data: list[dict[str, Any]]) -> list[Bucket]:

@@ -1,0 +1,170 @@
+"""Control plane of the weight push: the TCPStore keys and the small JSON messages under them (pure).
+
+Tensors travel on a gloo/NCCL process group; everything else (who is in the group, which version a push
+carries, who acknowledged it) travels through the TCPStore that the sender hosts. The store outlives
+every process group: when membership changes, the sender opens a new *epoch* (a new process group on a
+fresh key prefix of the same store), so a joiner only ever needs the store's address.
+
+Ranks: in epoch e the sender is rank 0 and ``members[i]`` is rank i + 1. Members are named by stable ids
+(``gen0``, ``gen1`` ...) plus a nonce per process incarnation, so a restarted generator takes over its
+old id without being confused with the dead process.
+
+Join, rebuild, push, ack (k counts push headers within an epoch; every wait has a deadline)::
+
+    sender: learner rank 0, hosts the store          receiver "gen1" (a generator's vLLM worker)
+    ----------------------------------------          --------------------------------------------
+                                                      join: queue_push(joins, {"id", "nonce"})
+                                                            wait(admit/gen1#nonce)
+    push(params, v): a version boundary
+      joiners queued, members dropped, or the last push failed?  -> open epoch e' = e + 1:
+        set(e'/members, [[id, nonce], ...])
+        set(e/hdr/k, {"next": e'})  ----------------> members of e (waiting for hdr k): go to e'
+        set(admit/<id#nonce>, {"epoch": e'}) -------> joiners: go to e'
+        wait(e'/ready/<id> for every member) <-------  set(e'/ready/gen1)
+        set(e'/go) ---------------------------------> wait(e'/go)
+        build the group of e' (rank 0) <=============> build the group of e' (rendezvous on e'/pg/)
+      set(e'/hdr/k, {"version": v, "layout": digest}) -> wait(e'/hdr/k); refuse a foreign layout
+      broadcast buckets 0..B-1 ======================> receive bucket i; load its named tensors while
+                                                       bucket i + 1 is still on the wire
+      wait(e'/ack/k/<id> for every member) <--------  set(e'/ack/k/gen1, "ok")
+      all "ok" by the deadline: v is live                 (own failure: "error: ...", then add(e'/failed/k))
+      else: set(e'/abort/k) --------------------------> receivers still waiting on a bucket give up within
+            collect reports for a short grace               a slice and report "aborted: ..."
+            raise PushError(missing, errors, aborted); the next push opens a new epoch
+
+``missing`` (no report at all: dead or hung) and ``errors`` (reported its own failure) are the members to
+drop; ``aborted`` ones only gave up because the sender did. A receiver that finds itself absent from
+e'/members was dropped: it raises ``Excluded`` and may join again. Keys are never deleted (a few hundred
+bytes per push).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+JOIN_QUEUE = "joins"
+ABORTED = "aborted"
+"""Prefix of a receiver's report when it gave up because the sender aborted (a victim, not a culprit)."""
+
+
+@dataclass(frozen=True)
+class Member:
+    """One receiver incarnation: a stable id and a nonce drawn by the process that joined."""
+
+    id: str
+    nonce: str
+
+    @property
+    def token(self) -> str:
+        return f"{self.id}#{self.nonce}"
+
+
+def members_key(epoch: int) -> str:
+    return f"e{epoch}/members"
+
+
+def ready_key(epoch: int, member_id: str) -> str:
+    return f"e{epoch}/ready/{member_id}"
+
+
+def go_key(epoch: int) -> str:
+    return f"e{epoch}/go"
+
+
+def pg_prefix(epoch: int) -> str:
+    return f"e{epoch}/pg/"
+
+
+def header_key(epoch: int, k: int) -> str:
+    return f"e{epoch}/hdr/{k}"
+
+
+def ack_key(epoch: int, k: int, member_id: str) -> str:
+    return f"e{epoch}/ack/{k}/{member_id}"
+
+
+def failed_key(epoch: int, k: int) -> str:
+    return f"e{epoch}/failed/{k}"
+
+
+def abort_key(epoch: int, k: int) -> str:
+    return f"e{epoch}/abort/{k}"
+
+
+def admit_key(member: Member) -> str:
+    return f"admit/{member.token}"
+
+
+def encode(obj: Any) -> str:
+    return json.dumps(obj, separators=(",", ":"), sort_keys=True)
+
+
+def decode(raw: bytes | str) -> Any:
+    return json.loads(raw.decode() if isinstance(raw, bytes) else raw)
+
+
+def encode_members(members: list[Member]) -> str:
+    return encode([[m.id, m.nonce] for m in members])
+
+
+def decode_members(raw: bytes | str) -> list[Member]:
+    data = decode(raw)
+    if not isinstance(data, list) or not all(isinstance(m, list) and len(m) == 2 for m in data):
+        raise ValueError(f"malformed member list: {data!r}")
+    return [Member(str(i), str(n)) for i, n in data]
+
+
+def encode_join(member: Member) -> str:
+    return encode({"id": member.id, "nonce": member.nonce})
+
+
+def decode_join(raw: bytes | str) -> Member:
+    data = decode(raw)
+    if not isinstance(data, dict) or not isinstance(data.get("id"), str) or not isinstance(data.get("nonce"), str):
+        raise ValueError(f"malformed join request: {data!r}")
+    if not data["id"] or "#" in data["id"] or "/" in data["id"]:
+        raise ValueError(f"member id {data['id']!r} must be non-empty and free of '#' and '/'")
+    return Member(data["id"], data["nonce"])
+
+
+@dataclass(frozen=True)
+class Header:
+    """What push k of an epoch is: a version on the wire (with the sender's layout digest, so that a
+    receiver holding another layout refuses it instead of receiving garbage), or a move to the next epoch."""
+
+    version: int | None = None
+    next_epoch: int | None = None
+    layout: str = ""
+
+    def encode(self) -> str:
+        if (self.version is None) == (self.next_epoch is None):
+            raise ValueError("a header carries exactly one of version and next_epoch")
+        if self.version is not None:
+            return encode({"version": self.version, "layout": self.layout})
+        return encode({"next": self.next_epoch})
+
+    @staticmethod
+    def decode(raw: bytes | str) -> Header:
+        data = decode(raw)
+        if (isinstance(data, dict) and set(data) == {"version", "layout"} and isinstance(data["version"], int)
+                and isinstance(data["layout"], str)):
+            return Header(version=data["version"], layout=data["layout"])
+        if isinstance(data, dict) and set(data) == {"next"} and isinstance(data["next"], int):
+            return Header(next_epoch=data["next"])
+        raise ValueError(f"malformed push header: {data!r}")
+
+
+def merge_members(current: list[Member], dropped: set[str], joiners: list[Member]) -> list[Member]:
+    """The next epoch's members: current ones not dropped, in order; a joiner replaces its own id's old
+    incarnation in place (a restarted generator keeps its rank) or is appended."""
+    out = [m for m in current if m.id not in dropped]
+    for j in joiners:
+        for i, m in enumerate(out):
+            if m.id == j.id:
+                out[i] = j
+                break
+        else:
+            out.append(j)
+    return out

@@ -1,0 +1,338 @@
+"""Weight-push benchmark: a full push against a raw broadcast of the same bytes, same backend, same run.
+
+    python bench/weight_sync.py [--quick] [--out FILE] [--sizes 1,10,50,200] [--receivers 1,2]
+
+For each model size (millions of parameters, random weights), dtype (float32, bfloat16) and layout of
+equal bytes (``many_small``: 128x128 tensors; ``few_large``: 4 tensors), with 1 and 2 receiver processes:
+
+    raw_s    one flat uint8 tensor of the same bytes: broadcast + a 1-element allreduce (the cheapest
+             "every receiver has it" signal on the same gloo group)
+    push_s   Sender.push: pack, bucketed broadcast, receivers unpack to named tensors and copy them into
+             a plain torch module (``param.copy_``), per-receiver ack through the store
+    pause_s  the slowest receiver's time inside Receiver.receive (entered together with the sender's start,
+             through a store handshake), i.e. what a generator spends paused per update
+    ratio    raw_s / push_s  (1.0: the push is as fast as the wire)
+
+Raw and push repetitions alternate (after one warm-up of each) so that load from other processes on the
+machine hits both alike; the table shows medians. ``--out`` writes JSON ``{"rows": [...]}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from async_rlhf.sync.group import allreduce_sum, free_port, post_broadcast, seconds  # noqa: E402
+from async_rlhf.sync.layout import TensorSpec, auto_bucket_bytes, plan_buckets  # noqa: E402
+from async_rlhf.sync.receiver import Receiver, acknowledge, receive_buckets  # noqa: E402
+from async_rlhf.sync.sender import Sender, WeightSender  # noqa: E402
+from async_rlhf.sync.tensors import TORCH_DTYPES  # noqa: E402
+
+HOST = "127.0.0.1"
+UNIT = 1 << 20  # "1 M parameters" = 2**20, so both layouts divide every size exactly
+SMALL = (128, 128)
+LARGE_COUNT = 4
+TIMEOUT_S = 300.0
+
+
+def model_specs(params: int, layout: str, dtype: str) -> list[TensorSpec]:
+    if layout == "many_small":
+        n = params // (SMALL[0] * SMALL[1])
+        return [TensorSpec(f"layers.{i}.weight", SMALL, dtype) for i in range(n)]
+    if layout == "few_large":
+        rows = params // LARGE_COUNT // 1024
+        return [TensorSpec(f"blocks.{i}.weight", (rows, 1024), dtype) for i in range(LARGE_COUNT)]
+    raise ValueError(layout)
+
+
+def make_tensors(specs: list[TensorSpec], seed: int, storage: str) -> dict[str, torch.Tensor]:
+    """Random weights: ``separate`` tensors (plain modules, ZeRO-0/3), or ``flat``: slices of one buffer in
+    order, as DeepSpeed ZeRO-1/2 keep them (then the sender sends buckets from that storage, no packing)."""
+    g = torch.Generator().manual_seed(seed)
+    dtype = TORCH_DTYPES[specs[0].dtype]
+    if storage == "separate":
+        return {s.name: torch.randn(s.shape, generator=g).to(dtype) for s in specs}
+    flat = torch.randn(sum(s.numel for s in specs), generator=g).to(dtype)
+    out, off = {}, 0
+    for s in specs:
+        out[s.name] = flat[off:off + s.numel].view(s.shape)
+        off += s.numel
+    return out
+
+
+def plan(cfg: dict) -> list:
+    specs = model_specs(cfg["params"], cfg["layout"], cfg["dtype"])
+    return plan_buckets(specs, cfg["bucket_bytes"])
+
+
+# -- receiver process -----------------------------------------------------------------------------
+
+def receiver_main(port: int, member_id: str, errors) -> None:
+    torch.set_num_threads(1)
+    try:
+        rx = Receiver([], member_id, HOST, port, timeout_s=TIMEOUT_S)
+        rx.join()
+        store = rx.store
+        module: dict[str, torch.Tensor] = {}
+
+        def load(buckets) -> None:
+            """Copy into the module, one fused copy per bucket as it arrives (or only walk the views)."""
+            for bucket in buckets:
+                if copy[0]:
+                    torch._foreach_copy_([module[n] for n, _ in bucket], [t for _, t in bucket])
+
+        copy = [True]
+        j = 0
+        while True:
+            store.wait([f"bench/op/{j}"], seconds(TIMEOUT_S))
+            op = json.loads(store.get(f"bench/op/{j}"))
+            if op["op"] == "quit":
+                break
+            if op["op"] == "cfg":
+                module.clear()
+                buckets = plan(op)
+                rx.use_layout(buckets)
+                module.update({s.name: torch.zeros(s.shape, dtype=TORCH_DTYPES[s.dtype])
+                               for s in model_specs(op["params"], op["layout"], op["dtype"])})
+                rx.arena().fill_(0)  # first-touch the pages outside any measurement
+                copy[0] = op["load"] == "copy"
+            store.set(f"bench/ready/{j}/{member_id}", "1")
+            result: dict[str, float] = {}
+            cpu0 = time.process_time()
+            if op["op"] == "raw":
+                post_broadcast(rx.pg, rx.arena()[:op["nbytes"]]).wait(seconds(TIMEOUT_S))
+                allreduce_sum(rx.pg, torch.zeros(1), TIMEOUT_S)
+            elif op["op"] == "push":
+                result = rx.receive(load, per_bucket=True).metrics
+            elif op["op"] == "legacy":  # the first implementation: fresh buffers, one bucket at a time
+                t0 = time.perf_counter()
+                load([receive_buckets(rx.pg, buckets, TIMEOUT_S)])
+                acknowledge(rx.pg, TIMEOUT_S)
+                result = {"sync/pause_s": time.perf_counter() - t0}
+            result["cpu_s"] = time.process_time() - cpu0
+            store.set(f"bench/done/{j}/{member_id}", json.dumps(result))
+            j += 1
+    except Exception:
+        errors.put((member_id, traceback.format_exc()))
+    finally:
+        errors.close()
+        errors.join_thread()
+        os._exit(0)
+
+
+# -- sender (this process) ------------------------------------------------------------------------
+
+class Bench:
+    def __init__(self, receivers: int, depth: int) -> None:
+        self.ids = [f"gen{i}" for i in range(receivers)]
+        self.sender = Sender([], HOST, free_port(), timeout_s=TIMEOUT_S, pipeline_depth=depth)
+        self.ctx = mp.get_context("spawn")
+        self.errors = self.ctx.Queue()
+        self.procs = [self.ctx.Process(target=receiver_main, args=(self.sender.port, mid, self.errors), daemon=True)
+                      for mid in self.ids]
+        self.j = 0
+
+    def __enter__(self) -> Bench:
+        for p in self.procs:
+            p.start()
+        self.sender.form(self.ids, timeout_s=120)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            if exc[0] is None:
+                self.op({"op": "quit"}, wait_done=False)
+            for p in self.procs:
+                p.join(timeout=30)
+        finally:
+            for p in self.procs:
+                if p.is_alive():
+                    p.terminate()
+                    p.join(timeout=5)
+            if not self.errors.empty():
+                who, tb = self.errors.get()
+                raise RuntimeError(f"receiver {who} failed:\n{tb}")
+
+    def op(self, op: dict, action=None, wait_done: bool = True) -> tuple[float, list[dict]]:
+        """Announce an op, wait until every receiver is in it, run ``action`` timed, collect results."""
+        store, j = self.sender.store, self.j
+        self.j += 1
+        store.set(f"bench/op/{j}", json.dumps(op))
+        if not wait_done:
+            return 0.0, []
+        self._wait([f"bench/ready/{j}/{m}" for m in self.ids])
+        t0, cpu0 = time.perf_counter(), time.process_time()
+        if action is not None:
+            action()
+        elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+        done = [f"bench/done/{j}/{m}" for m in self.ids]
+        self._wait(done)
+        results = [json.loads(v) for v in store.multi_get(done)]
+        self.cpu_s = cpu + sum(r["cpu_s"] for r in results)
+        return elapsed, results
+
+    def _wait(self, keys: list[str]) -> None:
+        deadline = time.monotonic() + TIMEOUT_S
+        while True:
+            try:
+                self.sender.store.wait(keys, seconds(1.0))
+                return
+            except Exception:
+                if not self.errors.empty():
+                    who, tb = self.errors.get()
+                    raise RuntimeError(f"receiver {who} failed:\n{tb}") from None
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"receivers never reported {keys}") from None
+
+    def measure(self, cfg: dict, reps: int, legacy: bool) -> dict:
+        specs = model_specs(cfg["params"], cfg["layout"], cfg["dtype"])
+        params = make_tensors(specs, seed=cfg["params"] % 1000, storage=cfg["storage"])
+        buckets = plan(cfg)
+        self.sender.use_layout(buckets)
+        nbytes = sum(b.nbytes for b in buckets)
+        flat = torch.ones(nbytes, dtype=torch.uint8)
+        pg = self.sender.pg
+        old = WeightSender(pg, buckets, len(self.ids), TIMEOUT_S)
+        self.op(cfg)
+        version = [0]
+        push_metrics: list[dict] = []
+
+        def raw() -> None:
+            post_broadcast(pg, flat).wait(seconds(TIMEOUT_S))
+            allreduce_sum(pg, torch.zeros(1), TIMEOUT_S)
+
+        def push() -> None:
+            version[0] += 1
+            push_metrics.append(self.sender.push(params, version[0]))
+
+        ops = [("raw", raw), ("push", push)] + ([("legacy", lambda: old.push(params))] if legacy else [])
+        times: dict[str, list[float]] = {name: [] for name, _ in ops}
+        cpu: dict[str, list[float]] = {name: [] for name, _ in ops}
+        pauses: dict[str, list[float]] = {name: [] for name, _ in ops}
+        rx_metrics = []
+        for rep in range(reps + 1):  # rep 0 warms every path up
+            for name, fn in (ops if rep % 2 == 0 else ops[::-1]):
+                elapsed, results = self.op({"op": name, "nbytes": nbytes}, fn)
+                if rep == 0:
+                    continue
+                times[name].append(elapsed)
+                cpu[name].append(self.cpu_s)
+                if name != "raw":
+                    pauses[name].append(max(r["sync/pause_s"] for r in results))
+                if name == "push":
+                    rx_metrics.append(results)
+        med = statistics.median
+        row = {
+            "params": cfg["params"], "layout": cfg["layout"], "dtype": cfg["dtype"], "receivers": len(self.ids),
+            "storage": cfg["storage"], "load": cfg["load"],
+            "bytes": nbytes, "bucket_bytes": cfg["bucket_bytes"], "buckets": len(buckets),
+            "push_s": med(times["push"]), "raw_s": med(times["raw"]), "ratio": med(times["raw"]) / med(times["push"]),
+            "pause_s": med(pauses["push"]),
+            "push_min_s": min(times["push"]), "raw_min_s": min(times["raw"]), "reps": reps,
+            "raw_cpu_s": med(cpu["raw"]), "push_cpu_s": med(cpu["push"]),
+            "pack_s": med(m["sync/pack_s"] for m in push_metrics[1:]),
+            "transfer_s": med(max(r["sync/transfer_s"] for r in rs) for rs in rx_metrics),
+            "load_tail_s": med(max(r["sync/load_tail_s"] for r in rs) for rs in rx_metrics),
+        }
+        if legacy:
+            row.update({"legacy_s": med(times["legacy"]), "legacy_pause_s": med(pauses["legacy"]),
+                        "legacy_cpu_s": med(cpu["legacy"])})
+        return row
+
+
+def fmt_row(r: dict) -> str:
+    mb = r["bytes"] / 1e6
+    return (f"{r['params'] / UNIT:>5.0f}M {r['dtype']:<8} {r['layout']:<10} {r['storage']:<8} {r['receivers']:>3} "
+            f"{mb:>8.1f} "
+            f"{r['buckets']:>5} {r['bucket_bytes'] / UNIT:>6.2f} {r['raw_s'] * 1e3:>8.1f} {r['push_s'] * 1e3:>8.1f} "
+            f"{r['ratio']:>6.2f} {r['pause_s'] * 1e3:>8.1f} {r['pause_s'] / r['raw_s']:>6.2f} "
+            f"{mb / 1e3 / r['push_s']:>6.2f} {r['raw_cpu_s'] * 1e3:>7.1f} {r['push_cpu_s'] * 1e3:>7.1f}"
+            + (f" {r['legacy_s'] * 1e3:>8.1f}" if "legacy_s" in r else ""))
+
+
+HEADER = (f"{'params':>6} {'dtype':<8} {'layout':<10} {'storage':<8} {'rx':>3} {'MB':>8} {'bkts':>5} {'bktMiB':>6} "
+          f"{'raw_ms':>8} {'push_ms':>8} {'ratio':>6} {'pause_ms':>8} {'p/raw':>6} {'GB/s':>6} {'raw_cpu':>7} "
+          f"{'pushcpu':>7}")
+
+
+def check_targets(rows: list[dict]) -> list[str]:
+    """The issue's targets, as lines of text (met or missed)."""
+    out = []
+    for r in rows:
+        name = f"{r['params'] / UNIT:.0f}M {r['dtype']} {r['layout']} {r['storage']} x{r['receivers']}"
+        if r["ratio"] < 0.9:
+            out.append(f"MISSED ratio >= 0.9: {name}: {r['ratio']:.2f}")
+        if r["pause_s"] > 1.2 * r["raw_s"]:
+            out.append(f"MISSED pause <= 1.2x raw: {name}: {r['pause_s'] / r['raw_s']:.2f}x")
+    pairs: dict[tuple, dict[str, float]] = {}
+    for r in rows:
+        pairs.setdefault((r["params"], r["dtype"], r["storage"], r["receivers"]), {})[r["layout"]] = r["push_s"]
+    for (params, dtype, storage, rx), by in pairs.items():
+        if len(by) == 2:
+            a, b = by.values()
+            gap = abs(a - b) / min(a, b)
+            if gap > 0.10:
+                out.append(f"MISSED layouts within 10%: {params / UNIT:.0f}M {dtype} {storage} x{rx}: "
+                           f"{gap * 100:.0f}% apart")
+    return out or ["all targets met"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="1 M and 10 M parameters only (under a minute)")
+    ap.add_argument("--out", type=Path, help="write the rows as JSON here")
+    ap.add_argument("--sizes", default=None, help="model sizes in millions of parameters, e.g. 1,10,50,200")
+    ap.add_argument("--receivers", default="1,2")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--layouts", default="many_small,few_large")
+    ap.add_argument("--storage", default="separate,flat", help="sender's tensors: separate and/or flat-backed")
+    ap.add_argument("--bucket-mb", type=float, default=None, help="bucket size (default: auto_bucket_bytes)")
+    ap.add_argument("--depth", type=int, default=2, help="sender packing slots (pipeline depth)")
+    ap.add_argument("--reps", type=int, default=None)
+    ap.add_argument("--load", default="copy", choices=["copy", "none"],
+                    help="receivers copy into a torch module (copy) or only walk the named views (none)")
+    ap.add_argument("--legacy", action="store_true", help="also time the first implementation (WeightSender)")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    sizes = [int(float(s) * UNIT) for s in (args.sizes or ("1,10" if args.quick else "1,10,50,200")).split(",")]
+    configs = []
+    for params in sizes:
+        for dtype in args.dtypes.split(","):
+            nbytes = params * torch.tensor([], dtype=TORCH_DTYPES[dtype]).element_size()
+            bucket = int(args.bucket_mb * UNIT) if args.bucket_mb else auto_bucket_bytes(nbytes)
+            for storage in args.storage.split(","):
+                for layout in args.layouts.split(","):
+                    configs.append({"op": "cfg", "params": params, "layout": layout, "dtype": dtype,
+                                    "bucket_bytes": bucket, "storage": storage, "load": args.load})
+    rows = []
+    print(HEADER + (f" {'legacy_ms':>8}" if args.legacy else ""), flush=True)
+    t0 = time.time()
+    for receivers in [int(r) for r in args.receivers.split(",")]:
+        with Bench(receivers, args.depth) as bench:
+            for cfg in configs:
+                reps = args.reps or (3 if args.quick or cfg["params"] >= 50 * UNIT else 5)
+                row = bench.measure(cfg, reps, args.legacy)
+                rows.append(row)
+                print(fmt_row(row), flush=True)
+    print(f"({time.time() - t0:.0f}s; medians of alternating repetitions; GB/s = push bytes / push_s; *_cpu: CPU ms "
+          "summed over sender and receivers)")
+    for line in check_targets(rows):
+        print(line)
+    if args.out:
+        args.out.write_text(json.dumps({"rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,173 @@
+"""Pure parts of the weight push: control messages, membership merging, byte views, zero-copy detection,
+bucket sizing, error naming, and the sliced wait (against a fake work handle)."""
+
+import time
+
+import pytest
+import torch
+
+from async_rlhf.sync import protocol as P
+from async_rlhf.sync.group import Aborted, SyncError, SyncTimeout, wait_work
+from async_rlhf.sync.layout import TensorSpec, auto_bucket_bytes, plan_buckets
+from async_rlhf.sync.sender import PushError
+from async_rlhf.sync.tensors import ALIGN, adjacent_bytes, arena_offsets, as_bytes, flatten_params, named_views
+
+
+def test_header_round_trip_and_rejects():
+    assert P.Header.decode(P.Header(version=7, layout="ab12").encode()) == P.Header(version=7, layout="ab12")
+    assert P.Header.decode(P.Header(next_epoch=3).encode()) == P.Header(next_epoch=3)
+    with pytest.raises(ValueError):
+        P.Header(version=1, next_epoch=2).encode()
+    with pytest.raises(ValueError):
+        P.Header().encode()
+    for bad in ['{"version": "7", "layout": ""}', '{"version": 7}', '{"next": 1, "version": 2}', "[]",
+                '{"other": 1}', '{"version": 7, "layout": 3}']:
+        with pytest.raises(ValueError):
+            P.Header.decode(bad)
+
+
+def test_members_and_join_requests_round_trip_and_validate():
+    ms = [P.Member("gen0", "a1"), P.Member("gen1", "b2")]
+    assert P.decode_members(P.encode_members(ms).encode()) == ms
+    assert P.decode_join(P.encode_join(ms[1])) == ms[1]
+    assert ms[0].token == "gen0#a1"
+    for bad in ['{"id": "", "nonce": "x"}', '{"id": "a#b", "nonce": "x"}', '{"id": "a/b", "nonce": "x"}',
+                '{"id": 3, "nonce": "x"}', '["gen0", "x"]']:
+        with pytest.raises(ValueError):
+            P.decode_join(bad)
+    with pytest.raises(ValueError):
+        P.decode_members('[["gen0"]]')
+
+
+def test_keys_are_distinct_per_epoch_push_and_member():
+    keys = {P.header_key(0, 0), P.header_key(0, 1), P.header_key(1, 0), P.ack_key(0, 0, "gen0"),
+            P.ack_key(0, 0, "gen1"), P.ack_key(0, 1, "gen0"), P.failed_key(0, 0), P.abort_key(0, 0),
+            P.members_key(0), P.ready_key(0, "gen0"), P.go_key(0), P.admit_key(P.Member("gen0", "n"))}
+    assert len(keys) == 12
+    assert P.pg_prefix(2).startswith("e2/") and not P.pg_prefix(2).startswith(P.pg_prefix(1))
+
+
+def test_merge_members_drops_replaces_in_place_and_appends():
+    a, b, c = P.Member("gen0", "1"), P.Member("gen1", "1"), P.Member("gen2", "1")
+    b2, d = P.Member("gen1", "2"), P.Member("gen3", "1")
+    assert P.merge_members([a, b, c], {"gen2"}, []) == [a, b]
+    # a restarted gen1 keeps its rank; a new id goes last
+    assert P.merge_members([a, b, c], set(), [d, b2]) == [a, b2, c, d]
+    # dropped, then back as a new incarnation in the same boundary: appended
+    assert P.merge_members([a, b, c], {"gen1"}, [b2]) == [a, c, b2]
+    assert P.merge_members([], set(), [c, a]) == [c, a]
+
+
+def test_arena_offsets_are_aligned_and_views_exact():
+    specs = [TensorSpec("a", (3,), "float32"), TensorSpec("b", (5,), "bfloat16"), TensorSpec("c", (2, 2), "int64"),
+             TensorSpec("big", (40,), "float32"), TensorSpec("s", (), "float64")]
+    buckets = plan_buckets(specs, 64)
+    offsets, total = arena_offsets(buckets)
+    assert all(o % ALIGN == 0 for o in offsets) and total >= offsets[-1] + buckets[-1].nbytes
+    assert all(o2 >= o1 + b.nbytes for o1, o2, b in zip(offsets, offsets[1:], buckets))
+    arena = torch.zeros(total, dtype=torch.uint8)
+    src = {"a": torch.tensor([1.0, 2.0, 3.0]), "b": torch.arange(5).to(torch.bfloat16),
+           "c": torch.tensor([[2**40, -1], [3, 4]]), "big": torch.randn(40),
+           "s": torch.tensor(2.5, dtype=torch.float64)}
+    for off, b in zip(offsets, buckets):
+        raw = arena[off:off + b.nbytes]
+        for e in b.entries:  # write as the sender's packing does
+            flat = raw.view({"float32": torch.float32, "bfloat16": torch.bfloat16, "int64": torch.int64,
+                             "float64": torch.float64}[b.dtype])
+            flat[e.offset:e.offset + e.numel].copy_(src[e.name].reshape(-1))
+    got = {n: t for off, b in zip(offsets, buckets) for n, t in named_views(arena[off:off + b.nbytes], b)}
+    assert set(got) == set(src)
+    for n, t in src.items():
+        assert got[n].dtype == t.dtype and got[n].shape == t.shape and torch.equal(got[n], t), n
+    assert got["s"].shape == ()
+
+
+def test_as_bytes_is_a_view():
+    t = torch.arange(6, dtype=torch.float32).view(2, 3)
+    b = as_bytes(t)
+    assert b.dtype == torch.uint8 and b.numel() == 24 and b.data_ptr() == t.data_ptr()
+
+
+def test_adjacent_bytes_sends_flat_backed_buckets_from_their_storage():
+    specs = [TensorSpec("a", (4, 5), "float32"), TensorSpec("b", (10,), "float32")]
+    bucket = plan_buckets(specs, 1 << 20)[0]
+    flat = torch.arange(100, dtype=torch.float32)
+    a, b = flat[10:30].view(4, 5), flat[30:40]
+    data = adjacent_bytes([a, b], bucket)
+    assert data is not None and data.data_ptr() == a.data_ptr() and data.numel() == 120
+    assert torch.equal(data.view(torch.float32), flat[10:40])
+    assert adjacent_bytes([a, flat[31:41]], bucket) is None                   # a gap
+    assert adjacent_bytes([flat[30:50].view(4, 5), flat[10:20]], bucket) is None  # wrong order
+    assert adjacent_bytes([torch.randn(4, 5), torch.randn(10)], bucket) is None   # separate tensors
+    assert adjacent_bytes([flat[:40].view(5, 8).t().contiguous().view(4, 10)[:, :5], b], bucket) is None
+    tail = torch.arange(30, dtype=torch.float32)
+    assert adjacent_bytes([tail[0:20].view(4, 5), tail[20:30]], bucket) is not None  # ends exactly at the end
+
+
+def test_auto_bucket_bytes_is_bounded():
+    assert auto_bucket_bytes(1 << 20) == 4 << 20
+    assert auto_bucket_bytes(400 << 20) == 50 << 20
+    assert auto_bucket_bytes(10 << 30) == 64 << 20
+
+
+def test_push_error_names_culprits_not_victims():
+    err = PushError(5, 2, ["gen2"], {"gen1": "error: RuntimeError: load failed"}, "SyncTimeout: ...", ["gen0"])
+    assert err.failed_members == ["gen2", "gen1"]
+    text = str(err)
+    assert "version 5" in text and "gen2" in text and "gen1 reported error" in text and "gen0" not in text
+
+
+class FakeWork:
+    """Completes at ``done_at`` (monotonic), optionally with an error; wait(timeout) behaves like c10d's."""
+
+    def __init__(self, done_at: float, error: Exception | None = None) -> None:
+        self.done_at, self.error = done_at, error
+
+    def is_completed(self) -> bool:
+        return time.monotonic() >= self.done_at
+
+    def wait(self, timeout=None) -> bool:
+        left = self.done_at - time.monotonic()
+        if timeout is not None and left > timeout.total_seconds():
+            time.sleep(timeout.total_seconds())
+            raise RuntimeError("Operation timed out!")
+        time.sleep(max(left, 0))
+        if self.error:
+            raise self.error
+        return True
+
+
+def test_wait_work_completes_times_out_aborts_and_surfaces_errors():
+    now = time.monotonic()
+    wait_work(FakeWork(now + 0.05), now + 1.0, "op", slice_s=0.02)
+    t0 = time.monotonic()
+    with pytest.raises(SyncTimeout, match="op"):
+        wait_work(FakeWork(now + 60), time.monotonic() + 0.2, "op", slice_s=0.05)
+    assert time.monotonic() - t0 < 0.5
+    calls = []
+
+    def abort():
+        calls.append(1)
+        return "the sender aborted" if len(calls) >= 2 else None
+
+    with pytest.raises(Aborted, match="the sender aborted"):
+        wait_work(FakeWork(now + 60), time.monotonic() + 5.0, "op", abort, slice_s=0.02)
+    with pytest.raises(SyncError, match="Connection reset"):
+        wait_work(FakeWork(time.monotonic(), RuntimeError("Connection reset by peer")), time.monotonic() + 1.0, "op")
+
+
+def test_flatten_params_keeps_values_and_parameters_and_makes_every_bucket_zero_copy():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
+    model[2].to(torch.bfloat16)
+    named = dict(model.named_parameters())
+    before = {n: p.detach().clone() for n, p in named.items()}
+    specs = [TensorSpec(n, tuple(p.shape), str(p.dtype).removeprefix("torch.")) for n, p in named.items()]
+    buckets = plan_buckets(specs, 64)
+    assert any(len(b.entries) > 1 for b in buckets) and len({b.dtype for b in buckets}) == 2
+    arena = flatten_params(named, buckets)
+    assert all(p is named[n] for n, p in model.named_parameters())  # same Parameter objects
+    assert all(torch.equal(before[n], p) and p.dtype == before[n].dtype for n, p in named.items())
+    assert all(adjacent_bytes([named[e.name] for e in b.entries], b) is not None for b in buckets)
+    assert arena.dtype == torch.uint8 and named["0.weight"].untyped_storage().data_ptr() == arena.data_ptr()
+    model[0](torch.randn(2, 8)).sum().backward()  # still trainable
+    assert named["0.weight"].grad.shape == (4, 8)
