@@ -39,7 +39,7 @@ class TaskConfig:
     """Digits per operand of the addition task."""
     heldout_size: int = 200
     """Problems kept out of training for greedy held-out accuracy."""
-    sft_steps: int = 250
+    sft_steps: int = 600
     """Optimizer steps of the SFT warm start of the tiny model (cached on disk)."""
 
 
@@ -76,7 +76,7 @@ class TrainConfig:
     """Completions sampled per prompt (the GRPO group)."""
     max_staleness: int = 2
     """Largest version lag a trained token may have; 0 is synchronous on-policy training."""
-    lr: float = 2e-3
+    lr: float = 2e-4
     """Learning rate (AdamW)."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
@@ -166,8 +166,9 @@ class SyncConfig:
     """Backend of the weight-push group (gloo on CPU, nccl on GPU)."""
     bucket_mb: int = 64
     """Size of one flat broadcast bucket."""
-    timeout_s: float = 120.0
-    """Timeout of every collective of the push; a peer slower than this is reported dead."""
+    timeout_s: float = 30.0
+    """Timeout of every collective and handshake of the push; a peer slower than this is reported dead,
+    dropped from the group and the push repeated without it."""
 
 
 @dataclass

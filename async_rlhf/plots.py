@@ -8,7 +8,7 @@ from typing import Any
 from async_rlhf.timeline import busy_fraction
 
 BUSY = {"generator": ("generate", "reward_and_put"), "learner": ("compute", "push")}
-COLORS = {"generate": "tab:green", "reward_and_put": "tab:olive", "wait_admission": "tab:gray",
+COLORS = {"generate": "tab:green", "reward_and_put": "tab:olive", "wait_admission": "lightgray",
           "paused_for_push": "tab:red", "compute": "tab:blue", "push": "tab:purple", "wait_data": "tab:gray"}
 
 

@@ -89,10 +89,9 @@ class Cluster:
         # the push group: learner rank 0 and every generator, on a TCPStore of its own
         layout = ray.get([lr.weight_layout.remote() for lr in self.learners])[0]
         port = free_port()
-        world = cfg.generators + 1
-        ray.get([self.learners[0].init_weight_sync.remote("127.0.0.1", port, self.generators)]
-                + [g.init_weight_sync.remote("127.0.0.1", port, world, i + 1, layout)
-                   for i, g in enumerate(self.generators)])
+        ids = [f"gen{i}" for i in range(cfg.generators)]
+        ray.get([self.learners[0].init_weight_sync.remote("127.0.0.1", port, dict(zip(ids, self.generators)))]
+                + [g.init_weight_sync.remote("127.0.0.1", port, mid, layout) for mid, g in zip(ids, self.generators)])
 
     def close(self) -> None:
         """Kill this run's actors but keep Ray up (experiments run several clusters in one Ray session)."""

@@ -176,22 +176,22 @@ class BufferService:
         if kind == "get":
             wait_s = float(msg.get("wait_s", 0.0))
             wait_s = min(wait_s, 60.0) if math.isfinite(wait_s) and wait_s > 0 else 0.0
-            self._pending.append(PendingGet(identity, req_id, int(msg["n"]), int(msg["version"]),
+            self._pending.append(PendingGet(identity, req_id, _count(msg, "n"), _count(msg, "version"),
                                             time.monotonic() + wait_s, _consumer(msg), t_recv))
             self._serve_pending()
             return kind
         if kind == "admit":
-            out = logic.admit(msg["want"])
+            out = logic.admit(_count(msg, "want"))
         elif kind == "put":
             out = logic.put(msg.get("group"))
         elif kind == "release":
             consumer = msg.get("consumer")
-            out = logic.release(msg["n"], _consumer(msg) if consumer is not None else None)
+            out = logic.release(_count(msg, "n"), _consumer(msg) if consumer is not None else None)
         elif kind == "ack":
             _consumer(msg)
             out = logic.ack(list(msg.get("group_ids") or []))
         elif kind == "set_version":
-            out = logic.set_version(msg["version"])
+            out = logic.set_version(_count(msg, "version"))
         elif kind == "stats":
             out = logic.stats(bool(msg.get("ledger", False)))
         else:
@@ -215,3 +215,14 @@ class BufferService:
             else:
                 still.append(p)
         self._pending = still
+
+
+MAX_COUNT = 1 << 40  # far above any real version or group count, far below what msgpack's int64 overflows at
+
+
+def _count(msg: dict[str, Any], key: str) -> int:
+    """A non-negative integer field; anything else (a float, a bool, 2**63) is a malformed request."""
+    value = msg[key]
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < MAX_COUNT:
+        raise WireError("malformed", f"field {key!r} must be an integer in [0, 2**40), got {value!r}")
+    return value

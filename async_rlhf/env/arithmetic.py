@@ -1,11 +1,14 @@
 """The addition task: short prompts with a verifiable integer answer and a binary reward.
 
-Format: operands zero-padded to ``digits`` characters, answer as the plain decimal sum (no padding), e.g. with
-``digits=2``: prompt ``"07+45="``, answer ``"52"``. The SFT target is the answer; the SFT appends eos.
+Format: operands zero-padded to ``digits`` characters, the sum zero-padded to ``digits + 1`` characters, e.g.
+with ``digits=2``: prompt ``"07+45="``, answer ``"052"``. Every answer has the same width, so each output
+position has one meaning (carry digit, tens, units); with variable-width answers the SFT of the tiny model
+plateaued for hundreds of steps on most seeds, with fixed width it learns within ~100-250 steps on every seed
+we tried. The SFT target is the answer; the SFT appends eos.
 
 Reward rule: leading whitespace of the completion is stripped, then the maximal run of leading digits is
-compared with the answer as a string. Anything after that run (the eos string, padding, more text) is ignored;
-an empty run, a different number or extra leading zeros score 0.
+compared with the answer string. Anything after that run (the eos string, padding, more text) is ignored;
+an empty run, a wrong sum or a different width (``"52"`` for ``"052"``) scores 0.
 """
 
 from __future__ import annotations
@@ -58,7 +61,8 @@ class AdditionTask:
 
     def make(self, a: int, b: int) -> Problem:
         """The problem ``a + b`` in this task's format."""
-        return Problem(a=a, b=b, prompt=f"{a:0{self.digits}d}+{b:0{self.digits}d}=", answer=str(a + b))
+        d = self.digits
+        return Problem(a=a, b=b, prompt=f"{a:0{d}d}+{b:0{d}d}=", answer=f"{a + b:0{d + 1}d}")
 
     def heldout(self) -> list[Problem]:
         """The held-out problems (fixed order, deterministic from the seed)."""
@@ -81,8 +85,21 @@ class AdditionTask:
         return score_completion(problem, completion_text)
 
     def completion_target(self, problem: Problem) -> str:
-        """What the SFT trains on after the prompt (eos appended by the SFT)."""
+        """What the SFT trains on after the prompt (eos appended by the SFT): the correct answer."""
         return problem.answer
+
+    def carry_free_answer(self, problem: Problem) -> str:
+        """The answer of a student who forgets every carry: digit-wise sums mod 10, same width.
+
+        Equal to the correct answer exactly when the addition has no carry (about 30% of 2-digit problems).
+        The SFT warm start mixes it in as a sloppy teacher (see ``async_rlhf.tiny.sft``).
+        """
+        d = self.digits
+        digits = (str((int(x) + int(y)) % 10) for x, y in zip(f"{problem.a:0{d}d}", f"{problem.b:0{d}d}"))
+        return "0" + "".join(digits)
+
+    def has_carry(self, problem: Problem) -> bool:
+        return self.carry_free_answer(problem) != problem.answer
 
     @property
     def max_prompt_chars(self) -> int:

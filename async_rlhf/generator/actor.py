@@ -75,10 +75,16 @@ class GeneratorActor:
     def ready(self) -> int:
         return self.gen_id
 
-    def init_weight_sync(self, host: str, port: int, world_size: int, rank: int,
-                         layout: list[dict[str, Any]]) -> None:
-        self.llm.collective_rpc("init_weight_sync", args=(host, port, world_size, rank, layout,
-                                                          self.cfg.sync.backend, self.cfg.sync.timeout_s))
+    def init_weight_sync(self, host: str, port: int, member_id: str, layout: list[dict[str, Any]],
+                         late: bool = False) -> None:
+        """Join the push group as ``member_id``; a late joiner takes the next version before it serves."""
+        self.llm.collective_rpc("init_receiver", args=(host, port, member_id, layout, self.cfg.sync.backend,
+                                                       self.cfg.sync.timeout_s))
+        if late:
+            with self._lock:
+                self._pending_version = -1  # the loop receives the learner's next version first
+        else:
+            self.llm.collective_rpc("join_push_group", args=(self.cfg.sync.timeout_s,))
 
     def request_update(self, version: int) -> None:
         """Learner rank 0 is about to push ``version``; the loop joins the broadcast at a step boundary."""
@@ -199,10 +205,16 @@ class GeneratorActor:
 
     def _load_version(self, version: int) -> None:
         self.timeline.enter("paused_for_push")
-        timing = self.llm.collective_rpc("receive_weights")[0]
+        try:
+            timing = self.llm.collective_rpc("receive_update", kwargs={"timeout_s": self.cfg.sync.timeout_s})[0]
+        except Exception as exc:  # timeout, excluded or a broken group: stay pending, retry at the next step
+            log.warning("generator %d: weight update to version %d failed, retrying: %s", self.gen_id, version, exc)
+            with self._lock:
+                self.counters["update_failures"] = self.counters.get("update_failures", 0) + 1
+            return
         with self._lock:
-            self.version = version
-            if self._pending_version == version:
+            self.version = int(timing["version"])  # what actually arrived (a late joiner's first version)
+            if self._pending_version is not None and self._pending_version <= self.version:
                 self._pending_version = None
             self.counters["updates"] += 1
             self.push_timings.append(timing)

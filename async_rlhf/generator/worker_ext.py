@@ -18,15 +18,13 @@ vLLM instantiates this class as a mixin of its worker (``LLM(worker_extension_cl
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from typing import Any, Protocol
 
 import torch
 
-from async_rlhf.sync.group import make_group
 from async_rlhf.sync.layout import layout_from_wire
-from async_rlhf.sync.receiver import Receiver, acknowledge, receive_buckets
+from async_rlhf.sync.receiver import Receiver
 
 
 class LikeWorker(Protocol):
@@ -48,7 +46,6 @@ def refresh_tied_lm_head(model: torch.nn.Module) -> None:
 
 
 class WeightSyncWorker:
-    _pg: Any = None
     _receiver: Receiver | None = None
 
     # -- the push group with membership epochs (async_rlhf.sync.receiver.Receiver) ----------------
@@ -86,25 +83,3 @@ class WeightSyncWorker:
         if self._receiver is None:
             raise RuntimeError("init_receiver was never called: this worker has no push group")
         return self._receiver
-
-    # -- the first, rank-based group (the generator actor still calls these) ----------------------
-    def init_weight_sync(self: LikeWorker, host: str, port: int, world_size: int, rank: int,
-                         layout: list[dict[str, Any]], backend: str, timeout_s: float) -> None:
-        self._buckets = layout_from_wire(layout)
-        self._timeout_s = timeout_s
-        self._pg = make_group(host, port, world_size, rank, backend, timeout_s)
-
-    def receive_weights(self: LikeWorker) -> dict[str, float]:
-        if self._pg is None:
-            raise RuntimeError("receive_weights before init_weight_sync: the push group was never built")
-        t0 = time.perf_counter()
-        named = receive_buckets(self._pg, self._buckets, self._timeout_s)
-        t1 = time.perf_counter()
-        self.load_named_weights(named)
-        t2 = time.perf_counter()
-        acknowledge(self._pg, self._timeout_s)
-        return {"receive_s": t1 - t0, "load_s": t2 - t1, "total_s": time.perf_counter() - t0}
-
-    def load_named_weights(self: LikeWorker, named: list[tuple[str, torch.Tensor]]) -> None:
-        self.model_runner.reload_weights(weights_iterator=iter(named))
-        refresh_tied_lm_head(self.model_runner.get_model())

@@ -83,15 +83,33 @@ class LearnerActor:
         self._buckets = plan_buckets(specs, self.cfg.sync.bucket_mb << 20)
         return layout_to_wire(self._buckets)
 
-    def init_weight_sync(self, host: str, port: int, generators: list[Any]) -> None:
-        """Rank 0 joins the push group as its rank 0 (and hosts its TCPStore)."""
-        from async_rlhf.sync.group import make_group
-        from async_rlhf.sync.sender import WeightSender
+    def init_weight_sync(self, host: str, port: int, generators: dict[str, Any]) -> None:
+        """Rank 0 hosts the push group's TCPStore and forms the first epoch with every generator."""
+        from async_rlhf.sync.sender import Sender
 
-        world = len(generators) + 1
-        pg = make_group(host, port, world, 0, self.cfg.sync.backend, self.cfg.sync.timeout_s)
-        self._sender = WeightSender(pg, self._buckets, len(generators), self.cfg.sync.timeout_s)
-        self._generators = generators
+        self._sender = Sender(self._buckets, host, port, self.cfg.sync.backend, self.cfg.sync.timeout_s)
+        self._handles = dict(generators)     # every generator ever registered: member id -> Ray handle
+        self._generators = dict(generators)  # current members
+        self._sender.form(list(generators))
+
+    def register_generator(self, member_id: str, handle: Any) -> None:
+        """A (re)started generator: admitted, with the current weights, at the next version boundary."""
+        self._handles[member_id] = handle
+        self._generators[member_id] = handle
+
+    def _announce(self, version: int) -> None:
+        """Tell every member that ``version`` is coming; a generator whose actor is gone leaves the group."""
+        import ray
+
+        refs = {mid: g.request_update.remote(version) for mid, g in self._generators.items()}
+        for mid, ref in refs.items():
+            try:
+                ray.get(ref, timeout=self.cfg.sync.timeout_s)
+            except (ray.exceptions.RayError, TimeoutError) as exc:
+                log.error("generator %s did not take the update announcement (%s): dropped from the push group",
+                          mid, type(exc).__name__)
+                self._sender.drop([mid])
+                self._generators.pop(mid, None)
 
     @contextlib.contextmanager
     def _full_params(self):
@@ -105,13 +123,29 @@ class LearnerActor:
             yield dict(module.named_parameters())
 
     def _push(self, version: int) -> dict[str, float]:
-        import ray
+        """Push ``version`` to every live generator; a dead or hung one is named, dropped, and the push
+        repeated on the rebuilt group, so training goes on without it."""
+        from async_rlhf.sync.sender import PushError
 
         with self._full_params() as params:
             if self.rank != 0:
                 return {}
-            ray.get([g.request_update.remote(version) for g in self._generators])
-            return self._sender.push(params)
+            dropped: list[str] = []
+            for _ in range(len(self._handles) + 1):
+                self._announce(version)
+                try:
+                    metrics = self._sender.push(params, version)
+                    break
+                except PushError as err:
+                    log.error("%s: rebuilding the push group without %s", err, err.failed_members)
+                    self._sender.drop(err.failed_members)
+                    dropped += err.failed_members
+                    for mid in err.failed_members:
+                        self._generators.pop(mid, None)
+            else:
+                raise RuntimeError(f"the weight push of version {version} kept failing; see the errors above")
+            self._generators = {m: self._handles[m] for m in self._sender.members if m in self._handles}
+            return {**metrics, "sync/dropped": float(len(dropped))}
 
     # -- training ----------------------------------------------------------------------------
     def train(self, steps: int) -> dict[str, Any]:

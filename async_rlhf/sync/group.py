@@ -146,7 +146,7 @@ def _is_slice_timeout(exc: Exception) -> bool:
     return "timed out" in str(exc).lower()
 
 
-# -- the first, rank-based API (the actors still call it) -----------------------------------------
+# -- the first, rank-based API (kept as bench/weight_sync.py's baseline) ----------------------------
 
 def make_group(host: str, port: int, world_size: int, rank: int, backend: str = "gloo",
                timeout_s: float = 120.0) -> dist.ProcessGroup:

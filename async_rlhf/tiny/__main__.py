@@ -1,7 +1,7 @@
 """CLI of the tiny policy.
 
     python -m async_rlhf.tiny build --out DIR [--seed N]
-    python -m async_rlhf.tiny sft --base DIR --out DIR --steps N [--digits D] [--seed N]
+    python -m async_rlhf.tiny sft --base DIR --out DIR --steps N [--digits D] [--forget-carry P] [--seed N]
     python -m async_rlhf.tiny prepare --cache DIR [--digits D] [--sft-steps N] [--seed N]
 """
 
@@ -31,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     p_sft.add_argument("--heldout-size", type=int, default=defaults.heldout_size)
     p_sft.add_argument("--batch-size", type=int, default=None)
     p_sft.add_argument("--lr", type=float, default=None)
+    p_sft.add_argument("--forget-carry", type=float, default=None, help="sloppy-teacher rate (default 0.65)")
     p_sft.add_argument("--seed", type=int, default=0)
     p_prep = sub.add_parser("prepare", help="build + SFT into a cache dir (once); print path, accuracy")
     p_prep.add_argument("--cache", type=Path, required=True)
@@ -52,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
         print(build_tiny_model(args.out, seed=args.seed))
     elif args.cmd == "sft":
         task = AdditionTask(digits=args.digits, heldout_size=args.heldout_size)  # canonical held-out split
-        kwargs = {k: v for k, v in (("batch_size", args.batch_size), ("lr", args.lr)) if v is not None}
+        options = (("batch_size", args.batch_size), ("lr", args.lr), ("forget_carry", args.forget_carry))
+        kwargs = {k: v for k, v in options if v is not None}
         print(sft.sft_warm_start(args.base, args.out, task, steps=args.steps, seed=args.seed, **kwargs))
     else:
         cfg = TaskConfig(digits=args.digits, heldout_size=args.heldout_size, sft_steps=args.sft_steps)
@@ -60,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         info = sft.read_tiny_info(path)
         print(path)
         print(f"held-out greedy accuracy: {info['heldout_greedy_accuracy']:.3f}")
+        print(f"held-out sampled (T=1) accuracy: {info['heldout_sampled_accuracy']:.3f}")
     return 0
 
 

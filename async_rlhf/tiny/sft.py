@@ -1,8 +1,12 @@
 """SFT warm start of the tiny policy, batched greedy evaluation, and the on-disk cache the demo starts from.
 
-The warm start is deliberately partial: it teaches the answer format and part of the arithmetic, so the
-policy starts well above zero reward (GRPO gets a learning signal from the first step) yet far from
-saturated, leaving a large, measurable gain for RL.
+The warm start imitates a sloppy teacher who forgets every carry 65% of the time (and is right otherwise).
+The student learns both procedures; its greedy answers follow the majority, the carry-free one, so it is
+right only on problems without a carry (~27% of the held-out split), while temperature-1 samples are right
+~33% of the time. GRPO with the exact-answer reward therefore gets a signal from the first step and has
+~70 points of headroom: it only has to promote a procedure the policy already knows. Measured (2 digits,
+500 SFT steps, ~32 s on one thread): greedy 0.27-0.29 on four seeds; pure-torch GRPO (16 x 8, lr 3e-4)
+reaches 0.6-0.7 within 25 steps and 0.75-0.97 by step 300.
 """
 
 from __future__ import annotations
@@ -11,8 +15,8 @@ import contextlib
 import hashlib
 import json
 import logging
-import math
 import os
+import random
 import shutil
 import tempfile
 import time
@@ -35,20 +39,23 @@ logger = logging.getLogger(__name__)
 FORMAT_VERSION = 1
 """Bump when the model, tokenizer, task format or SFT recipe changes: it invalidates cached warm starts."""
 SFT_BATCH_SIZE = 64
-SFT_LR = 3e-3
+SFT_LR = 2e-3
+SFT_FORGET_CARRY = 0.65
+"""Share of SFT targets from the sloppy, carry-forgetting teacher (``TaskConfig.sft_forget_carry``
+overrides it when that field exists)."""
 INFO_FILE = "tiny_info.json"
+SFT_STATS_FILE = "sft_stats.json"
 
 
 def _sft_batch(
-    problems: Sequence[Problem], task: AdditionTask, tok: PreTrainedTokenizerBase
+    problems: Sequence[Problem], targets: Sequence[str], tok: PreTrainedTokenizerBase
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded prompt + target + eos; ``loss_mask`` marks the completion tokens (eos included)."""
     seqs: list[list[int]] = []
     n_prompt: list[int] = []
-    for p in problems:
+    for p, target in zip(problems, targets):
         prompt = tok.encode(p.prompt, add_special_tokens=False)
-        target = tok.encode(task.completion_target(p), add_special_tokens=False) + [tok.eos_token_id]
-        seqs.append(prompt + target)
+        seqs.append(prompt + tok.encode(target, add_special_tokens=False) + [tok.eos_token_id])
         n_prompt.append(len(prompt))
     width = max(len(s) for s in seqs)
     ids = torch.full((len(seqs), width), tok.pad_token_id, dtype=torch.long)
@@ -62,15 +69,18 @@ def _sft_batch(
 
 
 def _lr_factor(step: int, steps: int) -> float:
-    """Linear warmup (Adam's first steps are sign-SGD: full lr on every weight), then cosine decay to 10%.
+    """Warmup (20 steps), constant, then linear decay to 0 over the last 30%.
 
-    The decay makes the final accuracy a smooth function of ``steps`` rather than a noisy snapshot.
+    Warmup: Adam's first steps are sign-SGD (full lr on every weight). Decay: the final weights settle on
+    the teacher mixture instead of being a noisy snapshot, so the start accuracy is reproducible.
     """
     warmup = max(1, min(20, steps // 10))
     if step < warmup:
         return (step + 1) / warmup
-    progress = (step - warmup) / max(1, steps - warmup)
-    return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+    decay_start = int(0.7 * steps)
+    if step < decay_start:
+        return 1.0
+    return max(0.0, (steps - step) / max(1, steps - decay_start))
 
 
 def _take(stream: Iterator[Problem], n: int) -> list[Problem]:
@@ -85,8 +95,18 @@ def sft_warm_start(
     batch_size: int = SFT_BATCH_SIZE,
     lr: float = SFT_LR,
     seed: int = 0,
+    forget_carry: float = SFT_FORGET_CARRY,
 ) -> Path:
-    """Supervised fine-tuning on ``task``'s train stream (loss on completion + eos only); saves a HF dir."""
+    """Supervised fine-tuning on ``task``'s train stream (loss on completion + eos only); saves a HF dir.
+
+    The teacher is sloppy: with probability ``forget_carry`` an example's target is the carry-free answer
+    (:meth:`AdditionTask.carry_free_answer`) instead of the sum. The student learns both procedures and,
+    with ``forget_carry`` > 0.5, greedy decoding follows the sloppy one: it is right on the ~30% of problems
+    without a carry, while sampling still finds the correct sum about ``1 - forget_carry`` of the time.
+    GRPO with the exact-answer reward then has an immediate, dense signal and a large headroom. A partially
+    trained correct-only SFT was the alternative; it starts at similar greedy accuracy but samples
+    correct answers far more rarely, and GRPO improved it much less (and it was very seed dependent).
+    """
     base_dir, out_dir = Path(base_dir), Path(out_dir)
     tok = load_tokenizer(base_dir)
     model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
@@ -94,13 +114,18 @@ def sft_warm_start(
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, steps))
     stream = task.train_problems(seed)
-    heldout = task.heldout()
-    log_every = max(1, steps // 10)
+    teacher = random.Random(f"sloppy-teacher-{seed}")
+    log_every = max(1, min(50, steps // 10))
     t0 = time.perf_counter()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         for step in range(1, steps + 1):
-            ids, attn, loss_mask = _sft_batch(_take(stream, batch_size), task, tok)
+            problems = _take(stream, batch_size)
+            targets = [
+                task.carry_free_answer(p) if teacher.random() < forget_carry else task.completion_target(p)
+                for p in problems
+            ]
+            ids, attn, loss_mask = _sft_batch(problems, targets, tok)
             logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
             nll = F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
             mask = loss_mask[:, 1:]
@@ -115,14 +140,43 @@ def sft_warm_start(
                     "sft step %d/%d loss %.4f (%.1f s)", step, steps, loss.item(), time.perf_counter() - t0
                 )
     model.eval()
-    acc = greedy_accuracy(model, tok, heldout) if heldout else 0.0
+    seconds = time.perf_counter() - t0
+    stats = {"sft_seconds": seconds, **evaluate_policy(model, tok, task)}
     logger.info(
-        "sft done: %d steps in %.1f s, held-out greedy accuracy %.3f", steps, time.perf_counter() - t0, acc
+        "sft done: %d steps in %.1f s; held-out greedy accuracy %.3f, sampled (T=1) accuracy %.3f",
+        steps, seconds, stats["heldout_greedy_accuracy"], stats["heldout_sampled_accuracy"],
     )
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out_dir))
     save_tokenizer(tok, out_dir)
+    (out_dir / SFT_STATS_FILE).write_text(json.dumps(stats, indent=2, sort_keys=True) + "\n")
     return out_dir
+
+
+def evaluate_policy(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    task: AdditionTask,
+    samples: int = 4,
+    seed: int = 0,
+) -> dict[str, float]:
+    """Held-out greedy accuracy, plus accuracy of temperature-1 samples (what GRPO starts from)."""
+    held = task.heldout()
+    if not held:
+        return {"heldout_greedy_accuracy": 0.0, "heldout_sampled_accuracy": 0.0}
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [tokenizer.encode(p.prompt, add_special_tokens=False) for p in held for _ in range(samples)]
+    outs = generate_batch(
+        model, prompts, 6, tokenizer.pad_token_id, tokenizer.eos_token_id, temperature=1.0, generator=gen
+    )
+    sampled = sum(
+        score_completion(held[i // samples], tokenizer.decode(o, skip_special_tokens=True))
+        for i, o in enumerate(outs)
+    )
+    return {
+        "heldout_greedy_accuracy": greedy_accuracy(model, tokenizer, held),
+        "heldout_sampled_accuracy": sampled / len(outs),
+    }
 
 
 @torch.no_grad()
@@ -198,6 +252,11 @@ def greedy_accuracy(
     return correct / len(problems)
 
 
+def _forget_carry(task_cfg: TaskConfig) -> float:
+    """``task_cfg.sft_forget_carry`` when the config has that field, else the calibrated default."""
+    return float(getattr(task_cfg, "sft_forget_carry", SFT_FORGET_CARRY))
+
+
 def tiny_settings(task_cfg: TaskConfig, seed: int = 0) -> dict[str, Any]:
     """Everything the cached warm start depends on; its hash names the cache directory."""
     return {
@@ -208,6 +267,7 @@ def tiny_settings(task_cfg: TaskConfig, seed: int = 0) -> dict[str, Any]:
         "sft_steps": task_cfg.sft_steps,
         "sft_batch_size": SFT_BATCH_SIZE,
         "sft_lr": SFT_LR,
+        "sft_forget_carry": _forget_carry(task_cfg),
         "seed": seed,
         "arch": [
             tiny_model.HIDDEN_SIZE, tiny_model.NUM_LAYERS, tiny_model.NUM_HEADS, tiny_model.NUM_KV_HEADS,
@@ -253,7 +313,10 @@ def prepare_tiny_policy(cache_root: Path, task_cfg: TaskConfig, seed: int = 0) -
     with _file_lock(cache_root / f".tiny-{digest}.lock"):
         if (final / INFO_FILE).exists():
             return final
-        logger.info("building the tiny policy into %s (SFT %d steps, one-off)", final, task_cfg.sft_steps)
+        logger.info(
+            "building the tiny policy into %s (one-off: %d SFT steps, sloppy-teacher rate %.2f)",
+            final, task_cfg.sft_steps, settings["sft_forget_carry"],
+        )
         t0 = time.perf_counter()
         staging = Path(tempfile.mkdtemp(prefix=f".tiny-{digest}-", dir=cache_root))
         try:
@@ -261,14 +324,13 @@ def prepare_tiny_policy(cache_root: Path, task_cfg: TaskConfig, seed: int = 0) -
             task = AdditionTask(digits=task_cfg.digits, heldout_size=task_cfg.heldout_size)
             base = build_tiny_model(staging / "base", seed=seed)
             policy = staging / "policy"
-            sft_warm_start(base, policy, task, steps=task_cfg.sft_steps, seed=seed)
-            model = AutoModelForCausalLM.from_pretrained(str(policy), dtype=torch.float32)
-            acc = greedy_accuracy(model, load_tokenizer(policy), task.heldout())
-            info = {
-                "settings": settings,
-                "heldout_greedy_accuracy": acc,
-                "build_seconds": time.perf_counter() - t0,
-            }
+            sft_warm_start(
+                base, policy, task, steps=task_cfg.sft_steps, seed=seed,
+                forget_carry=settings["sft_forget_carry"],
+            )
+            stats = json.loads((policy / SFT_STATS_FILE).read_text())
+            acc = stats["heldout_greedy_accuracy"]
+            info = {"settings": settings, **stats, "build_seconds": time.perf_counter() - t0}
             (policy / INFO_FILE).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
             if final.exists():  # a stale, incomplete directory from a crash of an older layout
                 shutil.rmtree(final)

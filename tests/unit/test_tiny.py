@@ -1,4 +1,4 @@
-"""The tiny policy: tokenizer round-trips, model loading, the addition task, greedy decoding, the SFT cache."""
+"""The tiny policy: tokenizer round-trips, model loading, the addition task, greedy decoding, SFT cache."""
 
 from __future__ import annotations
 
@@ -114,21 +114,33 @@ def test_problem_format_and_length_budget() -> None:
         task = AdditionTask(digits=digits, heldout_size=20)
         tok = build_tokenizer()
         for p in task.heldout():
-            assert p.answer == str(p.a + p.b)
+            assert int(p.answer) == p.a + p.b and len(p.answer) == digits + 1
             assert task.completion_target(p) == p.answer
             n_prompt = len(tok.encode(p.prompt, add_special_tokens=False))
             assert n_prompt + 6 <= 64
             assert len(p.answer) + 1 <= 6  # answer + eos fits the demo's 6-token budget
-    assert AdditionTask(digits=2).make(7, 45) == Problem(7, 45, "07+45=", "52")
+    assert AdditionTask(digits=2).make(7, 45) == Problem(7, 45, "07+45=", "052")
+    assert AdditionTask(digits=2).make(99, 99).answer == "198"
 
 
 def test_reward() -> None:
     task = AdditionTask(digits=2)
     p = task.make(7, 45)
-    for good in ("52", "52</s>", " 52", "52</s><pad><pad>", "52+1", "52 is it"):
+    for good in ("052", "052</s>", " 052", "052</s><pad><pad>", "052+1", "052 is it"):
         assert task.reward(p, good) == 1.0, good
-    for bad in ("53", "520", "052", "5", "", "</s>", "abc", "5 2", "-52", "fifty-two"):
+    for bad in ("053", "0520", "52", "0052", "05", "", "</s>", "abc", "05 2", "-052", "fifty-two"):
         assert task.reward(p, bad) == 0.0, bad
+
+
+def test_carry_free_answer() -> None:
+    task = AdditionTask(digits=2)
+    assert task.carry_free_answer(task.make(12, 34)) == "046" and not task.has_carry(task.make(12, 34))
+    assert task.carry_free_answer(task.make(7, 45)) == "042" and task.has_carry(task.make(7, 45))
+    assert task.carry_free_answer(task.make(99, 99)) == "088"
+    assert task.carry_free_answer(task.make(50, 50)) == "000"
+    no_carry = sum(not task.has_carry(task.make(a, b)) for a in range(100) for b in range(100))
+    assert no_carry == 55 * 55  # units and tens digit pairs that sum below 10
+    assert AdditionTask(digits=3).carry_free_answer(AdditionTask(digits=3).make(999, 1)) == "0990"
 
 
 def test_heldout_size_is_checked() -> None:
@@ -154,8 +166,8 @@ class _Oracle(torch.nn.Module):
             real = row[attention_mask[i].bool()] if attention_mask is not None else row
             text = self.tok.decode(real.tolist())
             prompt, _, done = text.partition("=")
-            a, b = (int(x) for x in prompt.split("+"))
-            target = str(a + b + (1 if self.wrong else 0))
+            sa, sb = prompt.split("+")
+            target = f"{int(sa) + int(sb) + (1 if self.wrong else 0):0{len(sa) + 1}d}"
             nxt = target[len(done)] if len(done) < len(target) else None
             tid = self.tok.eos_token_id if nxt is None else self.tok.convert_tokens_to_ids(nxt)
             logits[i, -1, tid] = 10.0
@@ -167,6 +179,7 @@ def test_greedy_accuracy_of_forced_policies() -> None:
     # Mixed prompt lengths, so left padding happens inside every batch.
     problems = [p for d in (1, 2, 3) for p in AdditionTask(digits=d, heldout_size=20).heldout()]
     problems += [AdditionTask(digits=3).make(999, 1), Problem(5, 7, "5+7=", "12")]
+    problems += [Problem(0, 0, "0+0=", "00")]
     assert greedy_accuracy(_Oracle(tok), tok, problems, batch_size=16) == 1.0
     assert greedy_accuracy(_Oracle(tok, wrong=True), tok, problems, batch_size=16) == 0.0
 
@@ -226,3 +239,15 @@ def test_prepare_tiny_policy_caches(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == sorted(
         [path.name, other.name]
     )
+
+
+def test_cli_build_and_sft(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from async_rlhf.tiny.__main__ import main
+
+    assert main(["build", "--out", str(tmp_path / "base"), "--seed", "1"]) == 0
+    base, sft = str(tmp_path / "base"), str(tmp_path / "sft")
+    assert main(["sft", "--base", base, "--out", sft, "--steps", "2"]) == 0
+    out = capsys.readouterr().out.split()
+    assert out == [str(tmp_path / "base"), str(tmp_path / "sft")]
+    stats = json.loads((tmp_path / "sft" / "sft_stats.json").read_text())
+    assert 0.0 <= stats["heldout_greedy_accuracy"] <= 1.0
