@@ -41,6 +41,9 @@ class TaskConfig:
     """Problems kept out of training for greedy held-out accuracy."""
     sft_steps: int = 600
     """Optimizer steps of the SFT warm start of the tiny model (cached on disk)."""
+    sft_forget_carry: float = 0.65
+    """Share of SFT examples whose target is a sloppy teacher's carry-free sum: the warm start is then right
+    on problems without a carry (~27% greedy) and samples the true sum often enough for RL to take over."""
 
 
 @dataclass
@@ -334,6 +337,8 @@ def validate(cfg: Config) -> Config:
         raise ConfigError("train.objective.eps_low must be in (0, 1) and eps_high above 0")
     if obj.is_cap <= 1.0 or obj.is_floor < 0 or obj.is_floor >= 1.0:
         raise ConfigError("train.objective.is_cap must exceed 1 and is_floor lie in [0, 1)")
+    if not 0.0 <= cfg.task.sft_forget_carry <= 1.0:
+        raise ConfigError(f"task.sft_forget_carry must lie in [0, 1], got {cfg.task.sft_forget_carry}")
     if cfg.generator.temperature <= 0:
         raise ConfigError("generator.temperature must be above 0 for training rollouts")
     return cfg

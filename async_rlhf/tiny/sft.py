@@ -41,8 +41,7 @@ FORMAT_VERSION = 1
 SFT_BATCH_SIZE = 64
 SFT_LR = 2e-3
 SFT_FORGET_CARRY = 0.65
-"""Share of SFT targets from the sloppy, carry-forgetting teacher (``TaskConfig.sft_forget_carry``
-overrides it when that field exists)."""
+"""Default share of SFT targets from the sloppy, carry-forgetting teacher (``TaskConfig.sft_forget_carry``)."""
 INFO_FILE = "tiny_info.json"
 SFT_STATS_FILE = "sft_stats.json"
 
@@ -253,8 +252,7 @@ def greedy_accuracy(
 
 
 def _forget_carry(task_cfg: TaskConfig) -> float:
-    """``task_cfg.sft_forget_carry`` when the config has that field, else the calibrated default."""
-    return float(getattr(task_cfg, "sft_forget_carry", SFT_FORGET_CARRY))
+    return float(task_cfg.sft_forget_carry)
 
 
 def tiny_settings(task_cfg: TaskConfig, seed: int = 0) -> dict[str, Any]:
