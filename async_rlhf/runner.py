@@ -151,8 +151,9 @@ def train(cfg: Config, cluster: Cluster, run_dir: Path) -> dict[str, Any]:
                 acc = f"{ev['accuracy']:.3f}@v{int(ev['version'])}"
             seen_evals = len(evals)
             for rec in new:
-                rec.update({"rollout/gen_tokens_per_s": tok_s, "buffer/depth": buf["buffer/depth"],
-                            "buffer/dropped_stale": buf.get("buffer/dropped_stale", 0)})
+                # buffer counters (depth, drops and rejects by reason, ...) and the staleness histogram
+                rec.update({k: v for k, v in buf.items() if k.startswith("buffer/") and isinstance(v, (int, float))})
+                rec.update({"rollout/gen_tokens_per_s": tok_s, "staleness/hist": buf.get("staleness/hist", {})})
                 writer.write(rec, rec["step"])
             records += new
             if records and now - last_print >= cfg.run.log_every_s:
