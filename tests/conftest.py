@@ -19,3 +19,13 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     torch.set_num_threads(1)
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0)
+
+
+def stop_process(proc, grace_s: float = 5.0) -> None:
+    """Join a child process; terminate, then kill it if it outlives ``grace_s`` at each stage."""
+    proc.join(timeout=grace_s)
+    for end in (proc.terminate, proc.kill):
+        if not proc.is_alive():
+            return
+        end()
+        proc.join(timeout=grace_s)

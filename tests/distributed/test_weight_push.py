@@ -11,6 +11,7 @@ import traceback
 import pytest
 import torch
 import torch.multiprocessing as mp
+from conftest import stop_process
 
 from async_rlhf.sync.group import free_port, make_group
 from async_rlhf.sync.layout import TensorSpec, layout_from_wire, layout_to_wire, plan_buckets
@@ -125,12 +126,7 @@ def run_processes(targets, expected: int, wait_s: float) -> dict[str, tuple]:
             p.join(timeout=max(1.0, deadline - time.monotonic()))
     finally:
         for p in procs:
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
+            stop_process(p)
         out.close()
     return results
 

@@ -16,6 +16,7 @@ import traceback
 import pytest
 import torch
 import torch.multiprocessing as mp
+from conftest import stop_process
 
 from async_rlhf.sync.group import free_port
 from async_rlhf.sync.layout import TensorSpec, layout_from_wire, layout_to_wire, plan_buckets
@@ -155,13 +156,7 @@ class Members:
 
     def close(self) -> None:
         for p in self.procs.values():
-            p.join(timeout=5)
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
+            stop_process(p)
         self.out.close()
 
 

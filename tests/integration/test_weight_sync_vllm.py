@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
+from conftest import stop_process
 
 from async_rlhf.sync.group import free_port
 from async_rlhf.sync.layout import TensorSpec, layout_from_wire, layout_to_wire, plan_buckets
@@ -183,9 +184,4 @@ def test_vllm_receives_pushed_weights_fp32_and_bf16_with_tied_lm_head(tmp_path: 
     finally:
         sender.close()
         proc.join(timeout=30)
-        if proc.is_alive():
-            proc.terminate()
-            proc.join(timeout=10)
-        if proc.is_alive():
-            proc.kill()
-            proc.join(timeout=10)
+        stop_process(proc, grace_s=10)
