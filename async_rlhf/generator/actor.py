@@ -64,12 +64,16 @@ class GeneratorActor:
         self._run_tag = uuid.uuid4().hex[:6]
         self.counters: dict[str, float] = {
             "tokens": 0, "groups": 0, "samples": 0, "reward_sum": 0.0, "reward_errors": 0, "updates": 0,
+            "update_failures": 0,
         }
         self.timeline = Timeline(f"generator {gen_id}")
         self.produced: list[str] = []
         self.dropped: dict[str, str] = {}
         self.evals: list[dict[str, float]] = []
-        self.push_timings: list[dict[str, float]] = []
+        self._in_flight = 0
+        # held-out prompts are fixed: tokenize them once, not at every evaluation
+        self._heldout = self.task.heldout()
+        self._heldout_ids = [self.tokenizer(p.prompt, add_special_tokens=False)["input_ids"] for p in self._heldout]
 
     # -- control, called from other threads --------------------------------------------------
     def ready(self) -> int:
@@ -108,7 +112,6 @@ class GeneratorActor:
             return {"produced": list(self.produced), "dropped": dict(self.dropped)}
 
     # -- the loop ----------------------------------------------------------------------------
-    _in_flight = 0
 
     def run(self) -> dict[str, Any]:
         from vllm import SamplingParams
@@ -145,8 +148,7 @@ class GeneratorActor:
                 if (self.gen_id == 0 and gen_cfg.eval_every and eval_pending == 0
                         and self.version % gen_cfg.eval_every == 0 and self.version != eval_version):
                     eval_version = self.version
-                    for i, p in enumerate(self.task.heldout()):
-                        ids = self.tokenizer(p.prompt, add_special_tokens=False)["input_ids"]
+                    for i, ids in enumerate(self._heldout_ids):
                         self.engine.add_request(f"{EVAL_PREFIX}{i}", {"prompt_token_ids": ids}, eval_params)
                         eval_pending += 1
                 # 3) admission
@@ -193,7 +195,7 @@ class GeneratorActor:
             self.timeline.stop()
             abandoned = [f"{gid}/{i}" for gid, g in tracker.groups.items() for i in range(g.n)]
             if eval_pending:
-                abandoned += [f"{EVAL_PREFIX}{i}" for i in range(len(self.task.heldout()))]
+                abandoned += [f"{EVAL_PREFIX}{i}" for i in range(len(self._heldout))]
             if abandoned:
                 self.engine.abort_request(abandoned)
             self._running.clear()
@@ -206,21 +208,20 @@ class GeneratorActor:
     def _load_version(self, version: int) -> None:
         self.timeline.enter("paused_for_push")
         try:
-            timing = self.llm.collective_rpc("receive_update", kwargs={"timeout_s": self.cfg.sync.timeout_s})[0]
+            received = self.llm.collective_rpc("receive_update", kwargs={"timeout_s": self.cfg.sync.timeout_s})[0]
         except Exception as exc:  # timeout, excluded or a broken group: stay pending, retry at the next step
             log.warning("generator %d: weight update to version %d failed, retrying: %s", self.gen_id, version, exc)
             with self._lock:
-                self.counters["update_failures"] = self.counters.get("update_failures", 0) + 1
+                self.counters["update_failures"] += 1
             return
         with self._lock:
-            self.version = int(timing["version"])  # what actually arrived (a late joiner's first version)
+            self.version = int(received["version"])  # what actually arrived (a late joiner's first version)
             if self._pending_version is not None and self._pending_version <= self.version:
                 self._pending_version = None
             self.counters["updates"] += 1
-            self.push_timings.append(timing)
 
     def _record_eval(self, version: int, outputs: dict[str, str]) -> None:
-        problems = self.task.heldout()
+        problems = self._heldout
         correct = sum(self.task.reward(problems[int(rid[len(EVAL_PREFIX):])], text) for rid, text in outputs.items())
         with self._lock:
             self.evals.append({"version": version, "accuracy": correct / len(problems), "time": time.time()})

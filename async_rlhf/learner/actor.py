@@ -66,8 +66,9 @@ class LearnerActor:
         self.step = 0
         self.metrics: list[dict[str, Any]] = []
         self._lock = threading.Lock()
-        self._sender = None
-        self._generators: list[Any] = []
+        self._sender: Any = None
+        self._handles: dict[str, Any] = {}     # every generator ever registered: member id -> Ray handle
+        self._generators: dict[str, Any] = {}  # current members of the push group
         self.timeline = Timeline(f"learner {rank}")
 
     def ready(self) -> int:
@@ -88,8 +89,8 @@ class LearnerActor:
         from async_rlhf.sync.sender import Sender
 
         self._sender = Sender(self._buckets, host, port, self.cfg.sync.backend, self.cfg.sync.timeout_s)
-        self._handles = dict(generators)     # every generator ever registered: member id -> Ray handle
-        self._generators = dict(generators)  # current members
+        self._handles = dict(generators)
+        self._generators = dict(generators)
         self._sender.form(list(generators))
 
     def register_generator(self, member_id: str, handle: Any) -> None:
