@@ -34,7 +34,11 @@ class ModelConfig:
 @dataclass
 class TaskConfig:
     name: str = "addition"
-    """The environment: addition (the tiny verifiable task)."""
+    """The environment: addition (the tiny verifiable task) | guess_number (multi-turn, a reward per turn) |
+    reward_model (addition prompts scored by rewards.model_path) | custom (prompts.* scored by rewards.*) |
+    longtail (answers of 1-40 tokens, heavy-tailed: async_rlhf/env/longtail.py)."""
+    max_turns: int = 3
+    """Most turns of a multi-turn episode (guess_number)."""
     digits: int = 2
     """Digits per operand of the addition task."""
     heldout_size: int = 200
@@ -44,6 +48,40 @@ class TaskConfig:
     sft_forget_carry: float = 0.65
     """Share of SFT examples whose target is a sloppy teacher's carry-free sum: the warm start is then right
     on problems without a carry (~27% greedy) and samples the true sum often enough for RL to take over."""
+
+
+@dataclass
+class RewardsConfig:
+    sources: str = "task"
+    """Reward sources summed with weights, comma-separated name[:weight]: task (the environment's own rule) |
+    function (rewards.function) | model (rewards.model_path) | http (rewards.http_url); e.g. task:1,model:0.5."""
+    function: str = ""
+    """A Python reward function, module:name or /path/file.py:name, called as fn(prompt, completion, data)."""
+    model_path: str = ""
+    """Reward model: a Hugging Face sequence-classification directory (num_labels=1), served by Ray actors."""
+    model_actors: int = 1
+    """Ray actors serving the reward model (requests spread over them)."""
+    model_batch_size: int = 64
+    """Most texts one reward-model forward scores (concurrent requests are merged up to this)."""
+    http_url: str = ""
+    """Remote scorer: POST {prompt, completions, data} as JSON, answer {rewards: [...]} (one per completion)."""
+    timeout_s: float = 30.0
+    """A reward not computed within this many seconds counts as a timeout; the group is then dropped."""
+
+
+@dataclass
+class PromptsConfig:
+    source: str = "task"
+    """Where prompts come from: task (the environment's own) | file (prompts.path through the datasets
+    library) | python (prompts.path names module:function returning an iterable) | redis (a Redis stream)."""
+    path: str = ""
+    """JSONL or Parquet file (source=file), or module:function / file.py:function (source=python)."""
+    text_field: str = "prompt"
+    """Field holding the prompt text; the other fields are passed to reward functions as data."""
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    """Redis server of source=redis."""
+    stream: str = "async_rlhf:prompts"
+    """Redis stream external producers XADD prompts to (field prompts.text_field, other fields are data)."""
 
 
 @dataclass
@@ -67,6 +105,48 @@ class ObjectiveConfig:
     """Weight of the KL penalty to the frozen reference model (0 disables the reference)."""
     kl_estimator: str = "k3"
     """KL estimator: k1 | k2 | k3."""
+
+
+@dataclass
+class PPOConfig:
+    """PPO with a critic (train.algorithm=ppo): reward models, KL shaping, GAE, the value model."""
+
+    reward_models: str = ""
+    """Reward models scoring each completion: comma-separated DIR or DIR:WEIGHT (Hugging Face sequence
+    classification directories, num_labels=1, e.g. from python -m async_rlhf.offline.reward_model)."""
+    generator_reward_weight: float = 0.0
+    """Weight of the reward the generator attached to each sample (its rewards.sources: the task's rule, or a
+    reward model served by Ray actors) added to the score of train.ppo.reward_models (scored in the learner)."""
+    critic_path: str = ""
+    """Causal-LM directory the critic's body starts from (--critic); empty: the policy."""
+    critic_lr: float = 1e-3
+    """Learning rate of the critic (AdamW)."""
+    value_clip: float = 0.2
+    """Value clipping range around the values the targets were computed with (0 disables)."""
+    gamma: float = 1.0
+    """GAE discount."""
+    lam: float = 0.95
+    """GAE lambda."""
+    kl_coef: float = 0.05
+    """Per-token KL penalty to the frozen reference, in the reward (train.objective.kl_coef puts it in the loss)."""
+    reward_norm: bool = True
+    """Normalise scores by their running mean and std."""
+    reward_clip: float = 5.0
+    """Clip the (normalised) score to [-reward_clip, reward_clip] (0 disables)."""
+    whiten_advantages: bool = True
+    """Whiten the GAE advantages over the batch's completion tokens."""
+    advantage_clip: float = 5.0
+    """Clip the advantages to [-advantage_clip, advantage_clip] (0 disables)."""
+
+
+@dataclass
+class DPOConfig:
+    """Online DPO (train.algorithm=online_dpo): pairs = best and worst completion of each prompt group."""
+
+    beta: float = 0.1
+    """DPO temperature: strength of the implicit KL to the reference (the initial policy)."""
+    label_smoothing: float = 0.0
+    """Conservative DPO: the assumed share of flipped preferences, in [0, 0.5)."""
 
 
 @dataclass
@@ -95,6 +175,11 @@ class TrainConfig:
     seed: int = 0
     """Seed of data order, sampling and initialisation."""
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    algorithm: str = "grpo"
+    """grpo (critic-free, advantages from train.advantage) | ppo (critic, reward models, GAE: train.ppo) |
+    online_dpo (pairs from each prompt group: train.dpo)."""
+    ppo: PPOConfig = field(default_factory=PPOConfig)
+    dpo: DPOConfig = field(default_factory=DPOConfig)
 
 
 @dataclass
@@ -111,6 +196,8 @@ class GeneratorConfig:
     """VLLM_CPU_KVCACHE_SPACE per engine, GiB."""
     threads: int = 1
     """Torch threads per generator process."""
+    cpus: str = "auto"
+    """Cores of the generator fleet, e.g. 0-5 (split among generators), all, or auto (see async_rlhf/cpus.py)."""
     eval_every: int = 25
     """Generator 0 measures held-out greedy accuracy every this many versions (0 disables)."""
 
@@ -121,12 +208,16 @@ class LearnerConfig:
     """DeepSpeed ZeRO stage (0-3)."""
     threads: int = 1
     """Torch threads per learner rank."""
+    cpus: str = "auto"
+    """Cores of the learner fleet, e.g. 6,7 (split among ranks), all, or auto (see async_rlhf/cpus.py)."""
     backend: str = "gloo"
     """torch.distributed backend of the learner group (gloo on CPU, nccl on GPU)."""
 
 
 @dataclass
 class BufferConfig:
+    cpus: str = "auto"
+    """Cores of the buffer service actor: a core list, all, or auto (the generator fleet's cores)."""
     store: str = "memory"
     """Where rollouts are kept: memory (embedded default) or redis."""
     host: str = "127.0.0.1"
@@ -149,6 +240,8 @@ class BufferConfig:
     """Sampling policy: fifo | freshest (highest min version first) | evict_stale (full: evict the oldest version)."""
     visibility_timeout_s: float = 600.0
     """A delivered group not acknowledged within this many seconds is delivered again (its learner is presumed dead)."""
+    reward_deadline_s: float = 60.0
+    """A group put with its rewards pending and not rewarded within this many seconds is dropped (reward_timeout)."""
     curve: bool = False
     """Authenticate with ZeroMQ CURVE (required to bind a non-loopback host)."""
     curve_secret_key: str = ""
@@ -168,7 +261,8 @@ class SyncConfig:
     backend: str = "gloo"
     """Backend of the weight-push group (gloo on CPU, nccl on GPU)."""
     bucket_mb: int = 64
-    """Size of one flat broadcast bucket."""
+    """Largest flat broadcast bucket. A push uses about 8 buckets (each at least 4 MiB) up to this size, so
+    that loading bucket i into the engine overlaps the transfer of bucket i + 1."""
     timeout_s: float = 30.0
     """Timeout of every collective and handshake of the push; a peer slower than this is reported dead,
     dropped from the group and the push repeated without it."""
@@ -182,6 +276,35 @@ class RunConfig:
     """Seconds between progress lines."""
     num_cpus: int = 0
     """CPUs Ray may use locally (0: all of this machine's)."""
+    cpus: str = ""
+    """Cores the whole run may use on this host, e.g. 0-7 (empty: this process's affinity); roles are placed
+    within them (generator.cpus, learner.cpus, buffer.cpus)."""
+    checkpoint_every: int = 0
+    """Learner steps between checkpoints in run.dir/checkpoints (0: only the final one)."""
+    keep_checkpoints: int = 2
+    """Most recent checkpoints kept on disk; older ones are deleted once a newer one is complete."""
+    control: bool = True
+    """Serve the scale endpoint (ZeroMQ REP on loopback; its address is written to run.dir/control.json)."""
+    generator_max_restarts: int = 3
+    """Times Ray restarts a generator whose process died (its in-flight prompts are re-issued)."""
+
+
+@dataclass
+class ResourcesConfig:
+    generator_cpus: float = 1.0
+    """CPUs reserved per generator (vLLM engine)."""
+    generator_gpus: int = 0
+    """GPUs per generator; 0 runs the CPU engine. With tensor_parallel > 1 it must equal tensor_parallel."""
+    tensor_parallel: int = 1
+    """vLLM tensor-parallel size of one generator (needs that many GPUs per generator)."""
+    learner_cpus: float = 1.0
+    """CPUs reserved per learner rank."""
+    learner_gpus: int = 0
+    """GPUs per learner rank (0: CPU DeepSpeed)."""
+    buffer_cpus: float = 0.0
+    """CPUs reserved for the buffer service actor."""
+    placement: str = "pack"
+    """Placement-group strategy per role: pack (fill a node first) or spread (one bundle per node if possible)."""
 
 
 @dataclass
@@ -194,6 +317,9 @@ class Config:
     buffer: BufferConfig = field(default_factory=BufferConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    resources: ResourcesConfig = field(default_factory=ResourcesConfig)
+    rewards: RewardsConfig = field(default_factory=RewardsConfig)
+    prompts: PromptsConfig = field(default_factory=PromptsConfig)
     generators: int = 2
     """Generator actors (one vLLM engine each)."""
     learners: int = 1
@@ -215,13 +341,16 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "train.objective.aggregation": ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"),
     "train.objective.kl_estimator": ("k1", "k2", "k3"),
     "train.advantage": ("grpo", "dr_grpo", "rloo", "reinforce_pp"),
+    "train.algorithm": ("grpo", "ppo", "online_dpo"),
     "generator.update_mode": ("in_flight", "drain"),
     "buffer.store": ("memory", "redis"),
     "buffer.policy": ("fifo", "freshest", "evict_stale"),
     "model.dtype": ("float32", "bfloat16", "float16"),
-    "task.name": ("addition",),
+    "task.name": ("addition", "guess_number", "reward_model", "custom", "longtail"),
+    "prompts.source": ("task", "file", "python", "redis"),
     "sync.backend": ("gloo", "nccl"),
     "learner.backend": ("gloo", "nccl"),
+    "resources.placement": ("pack", "spread"),
 }
 
 POSITIVE = (
@@ -229,8 +358,12 @@ POSITIVE = (
     "train.minibatches",
     "generator.max_new_tokens", "generator.groups_in_flight", "generator.threads", "learner.threads",
     "sync.bucket_mb", "task.digits", "task.heldout_size", "model.max_model_len",
+    "run.keep_checkpoints", "resources.tensor_parallel",
 )
-NON_NEGATIVE = ("train.max_staleness", "learner.zero_stage", "task.sft_steps", "generator.eval_every")
+NON_NEGATIVE = ("train.max_staleness", "learner.zero_stage", "task.sft_steps", "generator.eval_every",
+                "run.checkpoint_every", "run.generator_max_restarts", "resources.generator_cpus",
+                "resources.generator_gpus", "resources.learner_cpus", "resources.learner_gpus",
+                "resources.buffer_cpus")
 
 
 def _set_nested(obj: Any, dotted: str, raw: Any, origin: str) -> None:
@@ -315,7 +448,8 @@ def validate(cfg: Config) -> Config:
             f"train.batch_size ({cfg.train.batch_size}) must be a multiple of --learners ({cfg.learners}) "
             "so every rank gets the same number of prompt groups"
         )
-    if cfg.train.group_size < 2 and cfg.train.advantage in ("grpo", "dr_grpo", "rloo"):
+    if cfg.train.group_size < 2 and cfg.train.algorithm == "grpo" and cfg.train.advantage in ("grpo", "dr_grpo",
+                                                                                               "rloo"):
         raise ConfigError(f"train.advantage={cfg.train.advantage} compares samples of a group: "
                           "set train.group_size to 2 or more")
     b = cfg.buffer
@@ -325,6 +459,9 @@ def validate(cfg: Config) -> Config:
     if b.visibility_timeout_s <= 0 or b.redis_retry_s <= 0 or b.request_timeout_s <= 0:
         raise ConfigError("buffer.visibility_timeout_s, buffer.redis_retry_s and buffer.request_timeout_s "
                           "must be above 0")
+    if not b.reward_deadline_s > 0:
+        raise ConfigError(f"buffer.reward_deadline_s must be above 0 (seconds a group may wait for its late "
+                          f"reward), got {b.reward_deadline_s}")
     if b.curve and not all((b.curve_secret_key, b.curve_public_key, b.curve_client_keys,
                             b.curve_client_secret_key, b.curve_client_public_key)):
         raise ConfigError("buffer.curve=true needs curve_secret_key, curve_public_key, curve_client_keys, "
@@ -341,7 +478,159 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"task.sft_forget_carry must lie in [0, 1], got {cfg.task.sft_forget_carry}")
     if cfg.generator.temperature <= 0:
         raise ConfigError("generator.temperature must be above 0 for training rollouts")
+    _check_cpus(cfg)
+    _check_algorithm(cfg)
+    _check_env(cfg)
+    res = cfg.resources
+    if res.tensor_parallel > 1 and res.generator_gpus != res.tensor_parallel:
+        raise ConfigError(f"resources.tensor_parallel={res.tensor_parallel} shards each vLLM engine over that many "
+                          f"GPUs: set resources.generator_gpus={res.tensor_parallel} (got {res.generator_gpus})")
+    if res.generator_cpus + res.generator_gpus == 0 or res.learner_cpus + res.learner_gpus == 0:
+        raise ConfigError("every generator and learner needs at least one CPU or GPU: set "
+                          "resources.generator_cpus / resources.learner_cpus above 0")
     return cfg
+
+
+def _check_cpus(cfg: Config) -> None:
+    from async_rlhf.cpus import CpuSpecError, check_spec
+
+    specs = {"generator.cpus": cfg.generator.cpus, "learner.cpus": cfg.learner.cpus, "buffer.cpus": cfg.buffer.cpus,
+             "run.cpus": cfg.run.cpus or "auto"}
+    for key, spec in specs.items():
+        try:
+            check_spec(spec, key)
+        except CpuSpecError as exc:
+            raise ConfigError(str(exc)) from None
+
+
+def parse_reward_models(spec: str) -> list[tuple[str, float]]:
+    """``"DIR[:WEIGHT],DIR[:WEIGHT]"`` -> [(dir, weight)] (weight 1 when left out); ConfigError on a bad entry."""
+    out: list[tuple[str, float]] = []
+    for raw in (s.strip() for s in spec.split(",")):
+        if not raw:
+            continue
+        path, sep, weight = raw.rpartition(":")
+        if not sep or "/" in weight:  # no weight given (the colon, if any, belongs to the path)
+            path, weight = raw, "1"
+        try:
+            w = float(weight)
+        except ValueError:
+            raise ConfigError(f"train.ppo.reward_models entry {raw!r}: weight {weight!r} is not a number; "
+                              "write DIR or DIR:WEIGHT") from None
+        if not path or w != w or w in (float("inf"), float("-inf")):
+            raise ConfigError(f"train.ppo.reward_models entry {raw!r} needs a directory and a finite weight")
+        out.append((path, w))
+    return out
+
+
+def check_reward_model_dir(path: str) -> None:
+    """Refuse a reward model that is not a one-label sequence-classification directory, naming the fix."""
+    cfg_file = Path(path) / "config.json"
+    if not cfg_file.is_file():
+        raise ConfigError(f"train.ppo.reward_models: {path} is not a Hugging Face model directory (no config.json); "
+                          "train one with python -m async_rlhf.offline.reward_model")
+    try:
+        meta = json.loads(cfg_file.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"train.ppo.reward_models: {cfg_file} is unreadable ({exc})") from None
+    archs = meta.get("architectures") or []
+    if not any(str(a).endswith("ForSequenceClassification") for a in archs):
+        raise ConfigError(f"train.ppo.reward_models: {path} is not a reward model (architectures: {archs or 'none'});"
+                          " it must be a *ForSequenceClassification checkpoint with num_labels=1")
+    labels = len(meta.get("id2label") or {}) or meta.get("num_labels", 1)
+    if labels != 1:
+        raise ConfigError(f"train.ppo.reward_models: {path} has {labels} labels; a reward model gives one score "
+                          "(num_labels=1)")
+
+
+def _check_algorithm(cfg: Config) -> None:
+    t = cfg.train
+    if t.algorithm == "ppo":
+        p = t.ppo
+        models = parse_reward_models(p.reward_models)
+        if not models and p.generator_reward_weight == 0:
+            raise ConfigError("train.algorithm=ppo needs a reward: set train.ppo.reward_models=DIR[:WEIGHT] "
+                              "and/or train.ppo.generator_reward_weight above 0")
+        for path, _ in models:
+            check_reward_model_dir(path)
+        if p.critic_path:
+            check_model_dir(p.critic_path)
+        if not (0 <= p.gamma <= 1 and 0 <= p.lam <= 1):
+            raise ConfigError("train.ppo.gamma and train.ppo.lam must lie in [0, 1]")
+        if p.critic_lr <= 0 or min(p.value_clip, p.kl_coef, p.reward_clip, p.advantage_clip) < 0:
+            raise ConfigError("train.ppo.critic_lr must be above 0 and value_clip, kl_coef, reward_clip, "
+                              "advantage_clip 0 or more")
+    if t.algorithm == "online_dpo":
+        if t.group_size < 2:
+            raise ConfigError("train.algorithm=online_dpo pairs the best and worst completion of a prompt: "
+                              "set train.group_size to 2 or more")
+        if t.dpo.beta <= 0 or not 0 <= t.dpo.label_smoothing < 0.5:
+            raise ConfigError("train.dpo.beta must be above 0 and train.dpo.label_smoothing lie in [0, 0.5)")
+
+
+def parse_reward_sources(spec: str) -> list[tuple[str, float]]:
+    """``"task:1,model:0.5"`` -> [("task", 1.0), ("model", 0.5)]; ConfigError on an unknown name or weight."""
+    out: list[tuple[str, float]] = []
+    for raw in (s.strip() for s in spec.split(",")):
+        if not raw:
+            continue
+        name, _, weight = raw.partition(":")
+        if name not in REWARD_SOURCES:
+            raise ConfigError(f"rewards.sources entry {raw!r}: unknown source {name!r}; use "
+                              f"{' | '.join(REWARD_SOURCES)} with an optional :weight")
+        try:
+            w = float(weight or 1.0)
+        except ValueError:
+            raise ConfigError(f"rewards.sources entry {raw!r}: weight {weight!r} is not a number") from None
+        out.append((name, w))
+    if not out:
+        raise ConfigError("rewards.sources is empty: name at least one of " + ", ".join(REWARD_SOURCES))
+    return out
+
+
+REWARD_SOURCES = ("task", "function", "model", "http")
+
+
+def _check_env(cfg: Config) -> None:
+    r, p = cfg.rewards, cfg.prompts
+    names = [n for n, _ in parse_reward_sources(r.sources)]
+    if cfg.task.name in ("reward_model", "custom") and "task" in names:
+        raise ConfigError(f"task.name={cfg.task.name} has no reward rule of its own: set rewards.sources to "
+                          "model, function and/or http (e.g. rewards.sources=model)")
+    if cfg.task.name == "reward_model" and "model" not in names:
+        raise ConfigError("task.name=reward_model needs rewards.sources=model and rewards.model_path=DIR")
+    needs = {"function": ("rewards.function", r.function), "model": ("rewards.model_path", r.model_path),
+             "http": ("rewards.http_url", r.http_url)}
+    for name in names:
+        if name in needs and not needs[name][1]:
+            raise ConfigError(f"rewards.sources names {name}: set {needs[name][0]} too")
+    if r.model_path and "model" in names and not (Path(r.model_path) / "config.json").is_file():
+        raise ConfigError(f"rewards.model_path={r.model_path} is not a Hugging Face model directory (no config.json);"
+                          " train one with python -m async_rlhf.offline.reward_model")
+    if r.http_url and not r.http_url.startswith(("http://", "https://")):
+        raise ConfigError(f"rewards.http_url={r.http_url!r} must start with http:// or https://")
+    if r.timeout_s <= 0 or r.model_actors < 1 or r.model_batch_size < 1:
+        raise ConfigError("rewards.timeout_s must be above 0, rewards.model_actors and model_batch_size at least 1")
+    if cfg.task.max_turns < 1:
+        raise ConfigError(f"task.max_turns must be at least 1, got {cfg.task.max_turns}")
+    if cfg.task.name == "custom" and p.source == "task":
+        raise ConfigError("task.name=custom has no prompts of its own: set prompts.source to file, python or redis")
+    if p.source in ("file", "python") and not p.path:
+        raise ConfigError(f"prompts.source={p.source} needs prompts.path")
+    if p.source == "file" and not Path(p.path).exists():
+        raise ConfigError(f"prompts.path={p.path}: no such file; give a JSONL or Parquet file")
+    # actors may run in another working directory: pin relative paths to the launcher's
+    if p.source == "file":
+        p.path = str(Path(p.path).resolve())
+    if r.model_path:
+        r.model_path = str(Path(r.model_path).resolve())
+    for attr, spec in (("function", r.function), ("path", p.path if p.source == "python" else "")):
+        target, sep, name = spec.rpartition(":")
+        if sep and target.endswith(".py"):
+            if not Path(target).is_file():
+                raise ConfigError(f"{'rewards.function' if attr == 'function' else 'prompts.path'}={spec}: "
+                                  f"no such file {target}")
+            setattr(r if attr == "function" else p, attr, f"{Path(target).resolve()}:{name}")
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:

@@ -9,7 +9,8 @@ from async_rlhf.timeline import busy_fraction
 
 BUSY = {"generator": ("generate", "reward_and_put"), "learner": ("compute", "push")}
 COLORS = {"generate": "tab:green", "reward_and_put": "tab:olive", "wait_admission": "lightgray",
-          "paused_for_push": "tab:red", "compute": "tab:blue", "push": "tab:purple", "wait_data": "tab:gray"}
+          "paused_for_push": "tab:red", "compute": "tab:blue", "push": "tab:purple", "wait_data": "tab:gray",
+          "wait_env_or_reward": "tab:cyan", "checkpoint": "tab:brown"}
 
 
 def _pyplot() -> Any:
@@ -74,6 +75,23 @@ def plot_learning_curve(records: list[dict[str, Any]], evals: list[dict[str, flo
     ax[1].set_ylabel("batch reward")
     ax[1].set_ylim(0, 1)
     ax[1].set_title("reward against wall time")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot_accuracy_per_sample(curves: dict[str, list[list[float]]], path: Path) -> None:
+    """Held-out greedy accuracy against samples trained, one line per run (e.g. ``longtail async``)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for label, points in curves.items():
+        if points:
+            ax.plot([x for x, _ in points], [y for _, y in points], "o-" if "async" in label else "s--", label=label)
+    ax.set_xlabel("samples trained")
+    ax.set_ylabel("held-out greedy accuracy")
+    ax.set_ylim(0, 1)
+    ax.legend(fontsize=8)
+    ax.set_title("accuracy per sample trained: asynchronous against synchronous")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -28,7 +29,10 @@ def resolve_model(cfg: Config, cache_root: Path) -> str:
         return str(Path(cfg.model.path).resolve())
     from async_rlhf.tiny.sft import prepare_tiny_policy
 
-    return str(prepare_tiny_policy(cache_root, cfg.task, seed=cfg.train.seed))
+    task = cfg.task
+    if task.name not in ("addition", "longtail"):  # guess_number, reward_model, custom: the addition warm start
+        task = dataclasses.replace(task, name="addition")
+    return str(prepare_tiny_policy(cache_root, task, seed=cfg.train.seed))
 
 
 def heldout_accuracy(model_dir: str, cfg: Config) -> float:
@@ -56,6 +60,21 @@ def _generator_env(cfg: Config) -> dict[str, str]:
     }
 
 
+def pin_roles(cfg: Config, buffer: Any, generators: list[Any], learners: list[Any]) -> Any:
+    """Pin every actor's process to its cores of the CPU plan (``async_rlhf.cpus``); returns the plan."""
+    import ray
+
+    from async_rlhf.cpus import pin_actor, plan_for_config
+
+    plan = plan_for_config(cfg)
+    actors = {"buffer": buffer, **{f"generator {i}": g for i, g in enumerate(generators)},
+              **{f"learner {r}": lr for r, lr in enumerate(learners)}}
+    ray.get([a.__ray_call__.remote(pin_actor, list(plan.placements[name].cores)) for name, a in actors.items()])
+    for warning in plan.warnings:
+        log.warning("CPU plan: %s", warning)
+    return plan
+
+
 class Cluster:
     """Handles to the started roles (the integration tests inspect them after a run)."""
 
@@ -69,36 +88,84 @@ class Cluster:
 
         self.cfg = cfg
         self.model_path = model_path
+        from async_rlhf.placement import plan_placement
+
+        self.plan = plan_placement(cfg)
+        res = cfg.resources
         if not ray.is_initialized():
-            roles = cfg.generators + cfg.learners + 1
+            # locally, room for the plan plus a few generators added by `scale` (roles share the cores)
+            local_cpus = cfg.run.num_cpus or max(os.cpu_count() or 1, int(self.plan.totals()["CPU"] + 0.999)
+                                                 + 4 * int(res.generator_cpus + 0.999))
             ray.init(address=address, include_dashboard=False, log_to_driver=True,
-                     num_cpus=None if address else max(os.cpu_count() or 1, roles),
+                     num_cpus=None if address else local_cpus,
                      runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
-        self.buffer = ray.remote(BufferActor).options(num_cpus=0).remote(cfg)
+        self.groups = self._placement_groups()
+        self.buffer = ray.remote(BufferActor).options(
+            num_cpus=res.buffer_cpus, scheduling_strategy=self._in_group("buffer", 0)).remote(cfg)
         self.buffer_address = ray.get(self.buffer.address.remote())
-        gen_cls = ray.remote(GeneratorActor).options(
-            num_cpus=1, max_concurrency=4, runtime_env={"env_vars": _generator_env(cfg)})
-        self.generators = [gen_cls.remote(i, cfg, model_path, self.buffer_address) for i in range(cfg.generators)]
+        self._gen_cls = ray.remote(GeneratorActor)
+        self._gen_opts = {"num_cpus": res.generator_cpus, "num_gpus": res.generator_gpus, "max_concurrency": 4,
+                          "max_restarts": cfg.run.generator_max_restarts,
+                          "runtime_env": {"env_vars": _generator_env(cfg)}}
+        self.generators = [self._gen_cls.options(**self._gen_opts, scheduling_strategy=self._in_group(
+            "generators", i)).remote(i, cfg, model_path, self.buffer_address) for i in range(cfg.generators)]
+        self.added: list[Any] = []
         master_port = free_port()
-        learner_cls = ray.remote(LearnerActor).options(
-            num_cpus=1, max_concurrency=3,
-            runtime_env={"env_vars": {"OMP_NUM_THREADS": str(cfg.learner.threads)}})
-        self.learners = [learner_cls.remote(r, cfg.learners, cfg, model_path, "127.0.0.1", master_port,
-                                            self.buffer_address) for r in range(cfg.learners)]
+        learner_cls = ray.remote(LearnerActor)
+        learner_opts = {"num_cpus": res.learner_cpus, "num_gpus": res.learner_gpus, "max_concurrency": 3,
+                        "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(cfg.learner.threads)}}}
+        self.learners = [learner_cls.options(**learner_opts, scheduling_strategy=self._in_group("learners", r)).remote(
+            r, cfg.learners, cfg, model_path, "127.0.0.1", master_port, self.buffer_address)
+            for r in range(cfg.learners)]
         ray.get([g.ready.remote() for g in self.generators] + [lr.ready.remote() for lr in self.learners])
+        self.cpu_plan = pin_roles(cfg, self.buffer, self.generators, self.learners)
         # the push group: learner rank 0 and every generator, on a TCPStore of its own
         layout = ray.get([lr.weight_layout.remote() for lr in self.learners])[0]
         port = free_port()
+        self.layout, self.push_port = layout, port
         ids = [f"gen{i}" for i in range(cfg.generators)]
         ray.get([self.learners[0].init_weight_sync.remote("127.0.0.1", port, dict(zip(ids, self.generators)))]
                 + [g.init_weight_sync.remote("127.0.0.1", port, mid, layout) for mid, g in zip(ids, self.generators)])
 
+    def _placement_groups(self) -> dict[str, Any]:
+        """One placement group per role, pack or spread (resources.placement); waits until placed."""
+        import ray
+        from ray.util.placement_group import placement_group
+
+        groups = {r.role: placement_group(r.ray_bundles(), strategy=r.strategy.upper(), name="")
+                  for r in self.plan.roles}
+        ray.get([pg.ready() for pg in groups.values()], timeout=120)
+        return groups
+
+    def _in_group(self, role: str, index: int) -> Any:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        return PlacementGroupSchedulingStrategy(placement_group=self.groups[role],
+                                                placement_group_bundle_index=index)
+
+    def new_generator(self, gen_id: int) -> Any:
+        """A generator added while training runs (outside the placement group, which has a fixed size)."""
+        handle = self._gen_cls.options(**self._gen_opts).remote(gen_id, self.cfg, self.model_path,
+                                                                self.buffer_address)
+        self.added.append(handle)
+        return handle
+
+    def join_late(self, member_id: str, handle: Any) -> None:
+        """Admit a started (or restarted) generator to the push group; it takes the next version first."""
+        import ray
+
+        ray.get(self.learners[0].register_generator.remote(member_id, handle))
+        ray.get(handle.init_weight_sync.remote("127.0.0.1", self.push_port, member_id, self.layout, late=True))
+
     def close(self) -> None:
         """Kill this run's actors but keep Ray up (experiments run several clusters in one Ray session)."""
         import ray
+        from ray.util.placement_group import remove_placement_group
 
-        for actor in [*self.generators, *self.learners, self.buffer]:
+        for actor in [*self.generators, *self.added, *self.learners, self.buffer]:
             ray.kill(actor)
+        for pg in self.groups.values():
+            remove_placement_group(pg)
 
     def shutdown(self) -> None:
         import ray
@@ -113,18 +180,30 @@ def _progress_line(rec: dict[str, Any], steps: int, acc: str, tok_s: float, dept
             f"buffer {depth:>3} | {elapsed:5.0f}s")
 
 
-def train(cfg: Config, cluster: Cluster, run_dir: Path) -> dict[str, Any]:
-    """Run the learners for ``train.steps`` while the generators stream rollouts; returns run figures."""
+def train(cfg: Config, cluster: Cluster, run_dir: Path, resume: Path | None = None,
+          on_fleet: Any = None) -> dict[str, Any]:
+    """Run the learners for ``train.steps`` while the generators stream rollouts; returns run figures.
+
+    ``resume``: a committed checkpoint to continue from (model, optimizer, version, data position);
+    ``on_fleet``: called with the :class:`async_rlhf.control.Fleet` once it runs (tests scale through it).
+    """
     import ray
 
     from async_rlhf.buffer.build import make_client
+    from async_rlhf.control import ControlServer, Fleet
     from async_rlhf.metrics import MetricsWriter
+    from async_rlhf.progress import TrainProgress
 
+    progress = TrainProgress.start(cfg, cluster, run_dir, resume)
     writer = MetricsWriter(run_dir)
     buffer = make_client(cfg, cluster.buffer_address, consumer="launcher")
     t_start = time.time()
-    gen_runs = [g.run.remote() for g in cluster.generators]
-    train_refs = [lr.train.remote(cfg.train.steps) for lr in cluster.learners]
+    fleet = Fleet(cluster, progress.ledger, buffer, progress.version)
+    fleet.start()
+    control = ControlServer(fleet, run_dir) if cfg.run.control else None
+    if on_fleet is not None:
+        on_fleet(fleet)
+    train_refs = [lr.train.remote(cfg.train.steps - progress.step) for lr in cluster.learners]
     records: list[dict[str, Any]] = []
     seen_evals = 0
     last_print = 0.0
@@ -132,19 +211,31 @@ def train(cfg: Config, cluster: Cluster, run_dir: Path) -> dict[str, Any]:
     tok_s = 0.0
     acc = "  -  "
     evals: list[dict[str, float]] = []
+    stopping = False
     try:
         pending = list(train_refs)
         while pending:
             done, pending = ray.wait(pending, timeout=0.5)
-            ray.get(done)  # surfaces a learner failure at once
+            try:
+                ray.get(done)  # surfaces a learner failure at once
+            except ray.exceptions.RayError:
+                print(progress.failure_hint(), flush=True)
+                raise
+            fleet.poll()
+            if fleet.stop_requested.is_set() and not stopping:
+                stopping = True  # ranks are within a step of each other: stop them all a few steps ahead
+                at = max(ray.get([lr.current_step.remote() for lr in cluster.learners])) + 3
+                ray.get([lr.request_stop.remote(at) for lr in cluster.learners])
+            gen_stats = progress.generator_stats(fleet)
+            if records:
+                fleet.heal(records[-1]["version"])
             new = ray.get(cluster.learners[0].metrics_since.remote(len(records)))
-            gen_stats = ray.get([g.stats.remote() for g in cluster.generators])
             buf = buffer.stats()
             tokens = sum(s["tokens"] for s in gen_stats)
             now = time.time()
             if now - last_t >= 1.0:
                 tok_s, last_tok, last_t = (tokens - last_tok) / (now - last_t), tokens, now
-            evals = gen_stats[0]["evals"]
+            evals = gen_stats[0]["evals"] if gen_stats else evals
             for ev in evals[seen_evals:]:
                 writer.write({"kind": "eval", "version": ev["version"], "eval/heldout_accuracy": ev["accuracy"]},
                              int(ev["version"]))
@@ -154,7 +245,13 @@ def train(cfg: Config, cluster: Cluster, run_dir: Path) -> dict[str, Any]:
                 # buffer counters (depth, drops and rejects by reason, ...) and the staleness histogram
                 rec.update({k: v for k, v in buf.items() if k.startswith("buffer/") and isinstance(v, (int, float))})
                 rec.update({"rollout/gen_tokens_per_s": tok_s, "staleness/hist": buf.get("staleness/hist", {})})
+                rec.update(fleet.metrics())
+                if gen_stats:  # how long generators stand still per weight update (the slowest one)
+                    rec.update({f"sync/gen_{k}": max(float(s.get(f"sync/{k}", 0.0)) for s in gen_stats)
+                                for k in ("pause_s_last", "pause_s_mean")})
+                progress.before_write(rec)
                 writer.write(rec, rec["step"])
+                progress.after_write(rec)
             records += new
             if records and now - last_print >= cfg.run.log_every_s:
                 last_print = now
@@ -162,12 +259,13 @@ def train(cfg: Config, cluster: Cluster, run_dir: Path) -> dict[str, Any]:
                       flush=True)
         wall = time.time() - t_start
     finally:
-        for g in cluster.generators:
-            g.stop.remote()
+        if control is not None:
+            control.close()
+        gen_final = fleet.stop_all()
         buffer.close()
         writer.close()
-    gen_final = ray.get(gen_runs)
-    timelines = ray.get([g.timeline_dict.remote() for g in cluster.generators]
+        progress.close()
+    timelines = ray.get([g.timeline_dict.remote() for g in fleet.handles.values()]
                         + [lr.timeline_dict.remote() for lr in cluster.learners])
     leftover = ray.get(cluster.buffer.drop_held.remote("unconsumed_at_shutdown"))
     if leftover:
@@ -185,6 +283,9 @@ def train(cfg: Config, cluster: Cluster, run_dir: Path) -> dict[str, Any]:
         "weight_push_s": sum(push_times) / len(push_times) if push_times else 0.0,
         "generator_stats": gen_final,
         "timelines": timelines,
+        "fleet": {"events": fleet.events, **fleet.status()},
+        "prompt_ledger": progress.ledger,
+        "first_step": progress.step,
     }
 
 
@@ -201,20 +302,35 @@ def write_timeline(figures: dict[str, Any], run_dir: Path) -> dict[str, float]:
     return {f"{kind}_busy_fraction": sum(v) / len(v) for kind, v in fractions.items()}
 
 
-def run(cfg: Config, address: str | None = None, cache_root: Path = Path("runs/cache")) -> dict[str, Any]:
-    """Everything ``launch/cluster.py`` does after validation; returns the summary it writes."""
-    run_dir = Path(cfg.run.dir)
+def run(cfg: Config, address: str | None = None, cache_root: Path = Path("runs/cache"),
+        resume: Path | None = None) -> dict[str, Any]:
+    """Everything ``launch/cluster.py`` does after validation; returns the summary it writes.
+
+    ``resume``: a committed checkpoint (``async_rlhf.checkpoint.resolve_resume``) to continue from.
+    """
+    run_dir = Path(cfg.run.dir).resolve()
+    cfg.run.dir = str(run_dir)  # the learners write checkpoints here from their own working directories
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(cfg.to_json())
     t0 = time.time()
-    model_path = resolve_model(cfg, cache_root)
+    if resume is not None:
+        # a copy: pruning deletes old checkpoints, and restarted actors (and save_hf's tokenizer files) still
+        # read the directory they started from
+        import shutil
+
+        model_path = str(run_dir / "resumed_policy")
+        shutil.rmtree(model_path, ignore_errors=True)
+        shutil.copytree(resume / "policy", model_path)
+    else:
+        model_path = resolve_model(cfg, cache_root)
     start_acc = heldout_accuracy(model_path, cfg)
     print(f"policy {model_path}: held-out greedy accuracy {start_acc:.3f} before RL", flush=True)
     cluster = Cluster(cfg, model_path, address)
     try:
+        (run_dir / "cpu_plan.json").write_text(json.dumps(cluster.cpu_plan.to_dict(), indent=2))
         print(f"started {cfg.generators} generator(s), {cfg.learners} learner(s), buffer at "
               f"{cluster.buffer_address} in {time.time() - t0:.0f}s", flush=True)
-        figures = train(cfg, cluster, run_dir)
+        figures = train(cfg, cluster, run_dir, resume=resume)
         import ray
 
         policy_dir = ray.get(cluster.learners[0].save_hf.remote(str((run_dir / "policy").resolve())))

@@ -3,6 +3,12 @@
     generator 0  |generate|wait_admission|generate|paused_for_push|generate| ...
     learner 0    |wait_data|compute|push|wait_data|compute| ...
 
+States: a generator is ``generate`` (engine steps), ``reward_and_put`` (scoring and handing a finished group
+to the buffer), ``wait_admission`` (nothing in flight: the staleness bound or the buffer holds it back),
+``wait_env_or_reward`` (groups in flight, but they await their environment or a late reward) or
+``paused_for_push`` (loading a new version); a learner is ``wait_data``, ``compute``, ``push`` or
+``checkpoint``. Busy means generate/reward_and_put and compute/push (``async_rlhf.plots.BUSY``).
+
 ``enter(state)`` closes the current interval and opens the next; entering the state already open does
 nothing, so calling it in a hot loop costs a comparison.
 """
@@ -63,3 +69,14 @@ class Timeline:
 def busy_fraction(totals: dict[str, float], busy: tuple[str, ...]) -> float:
     total = sum(totals.values())
     return sum(totals.get(s, 0.0) for s in busy) / total if total else 0.0
+
+
+def busy_fraction_between(intervals: list[tuple[str, float, float]], busy: tuple[str, ...], start: float,
+                          end: float) -> float:
+    """Share of ``[start, end]`` spent in ``busy`` states (time outside every interval counts as idle).
+
+    Benchmarks use it on the steady state of a run, leaving out the start-up and the drain at the end."""
+    if end <= start:
+        return 0.0
+    inside = sum(max(0.0, min(e, end) - max(s, start)) for state, s, e in intervals if state in busy)
+    return inside / (end - start)

@@ -28,15 +28,31 @@ class Sample:
     """int32 [T] policy version that generated each token."""
     reward: float
     finish_reason: str = "stop"
+    loss_mask: np.ndarray | None = None
+    """uint8 [T]: 1 = a generated token the learner trains on, 0 = an environment observation token spliced
+    into a multi-turn trajectory. None (the default) is filled with all ones."""
+    token_rewards: np.ndarray | None = None
+    """float32 [T] or None: per-turn rewards, each placed on the last token of its turn."""
 
-    def to_wire(self) -> dict[str, Any]:
-        return {
-            "completion_ids": pack_array(self.completion_ids.astype(np.int32)),
-            "logprobs": pack_array(self.logprobs.astype(np.float32)),
-            "versions": pack_array(self.versions.astype(np.int32)),
+    def __post_init__(self) -> None:
+        if self.loss_mask is None:
+            self.loss_mask = np.ones(len(self.completion_ids), np.uint8)
+
+    def to_wire(self, views: bool = False) -> dict[str, Any]:
+        """The wire map; ``views=True`` refers to the arrays' memory instead of copying it (encode at once)."""
+        out = {
+            "completion_ids": pack_array(self.completion_ids.astype(np.int32, copy=False), views),
+            "logprobs": pack_array(self.logprobs.astype(np.float32, copy=False), views),
+            "versions": pack_array(self.versions.astype(np.int32, copy=False), views),
             "reward": float(self.reward),
             "finish_reason": self.finish_reason,
         }
+        mask = np.asarray(self.loss_mask, np.uint8)
+        if not mask.all() or len(mask) != len(self.completion_ids):  # absent on the wire means all ones
+            out["loss_mask"] = pack_array(mask, views)
+        if self.token_rewards is not None:
+            out["token_rewards"] = pack_array(np.asarray(self.token_rewards, np.float32), views)
+        return out
 
     @classmethod
     def from_wire(cls, obj: Any) -> Sample:
@@ -49,14 +65,23 @@ class Sample:
                 versions=unpack_array(obj["versions"]),
                 reward=float(obj["reward"]),
                 finish_reason=str(obj.get("finish_reason", "stop")),
+                loss_mask=unpack_array(obj["loss_mask"]) if obj.get("loss_mask") is not None else None,
+                token_rewards=unpack_array(obj["token_rewards"]) if obj.get("token_rewards") is not None else None,
             )
         except WireError:
             raise
         except (KeyError, TypeError, ValueError) as exc:
             raise WireError("malformed", f"sample field {exc}") from None
-        arrays = (s.completion_ids, s.logprobs, s.versions)
+        arrays = [s.completion_ids, s.logprobs, s.versions, s.loss_mask]
+        if s.token_rewards is not None:
+            arrays.append(s.token_rewards)
         if any(a.ndim != 1 for a in arrays) or len({a.shape[0] for a in arrays}) != 1:
-            raise WireError("malformed", "completion_ids, logprobs and versions must be 1-D of one length")
+            raise WireError("malformed", "completion_ids, logprobs, versions, loss_mask and token_rewards (when "
+                                         "given) must be 1-D arrays of one length")
+        if s.loss_mask.dtype != np.uint8 or s.loss_mask.max(initial=0) > 1:
+            raise WireError("malformed", "loss_mask must be uint8 zeros and ones")
+        if s.token_rewards is not None and s.token_rewards.dtype != np.float32:
+            raise WireError("malformed", "token_rewards must be float32")
         return s
 
 
@@ -82,11 +107,12 @@ class Group:
     def num_tokens(self) -> int:
         return sum(len(s.completion_ids) for s in self.samples)
 
-    def to_wire(self) -> dict[str, Any]:
+    def to_wire(self, views: bool = False) -> dict[str, Any]:
+        """The wire map; ``views=True`` refers to the arrays' memory instead of copying it (encode at once)."""
         return {
             "group_id": self.group_id,
-            "prompt_ids": pack_array(self.prompt_ids.astype(np.int32)),
-            "samples": [s.to_wire() for s in self.samples],
+            "prompt_ids": pack_array(self.prompt_ids.astype(np.int32, copy=False), views),
+            "samples": [s.to_wire(views) for s in self.samples],
             "generator": int(self.generator),
             "meta": self.meta,
             "t_start": self.t_start,

@@ -21,7 +21,8 @@ SCHEMA_VERSION = 1
 # Requests and their replies between generators, learners, the launcher and the buffer service.
 KINDS = frozenset({
     "admit",        # generator -> buffer: may I start k new prompt groups?
-    "put",          # generator -> buffer: one finished prompt group
+    "put",          # generator -> buffer: finished prompt groups (one map, or a list of msgpack-encoded groups)
+    "reward",       # generator / reward source -> buffer: the late rewards of a group put with rewards pending
     "get",          # learner -> buffer: a share of the next batch for version v
     "ack",          # learner -> buffer: these group ids were trained on
     "set_version",  # learner -> buffer: version v is live
@@ -32,6 +33,8 @@ KINDS = frozenset({
 })
 
 ALLOWED_DTYPES = frozenset({"int32", "int64", "float32", "float64", "float16", "uint8", "bool"})
+_DTYPE_NAMES = {np.dtype(name): name for name in ALLOWED_DTYPES}  # dtype.name is slow (a Python property)
+_ITEMSIZE = {name: np.dtype(name).itemsize for name in ALLOWED_DTYPES}
 
 
 class WireError(ValueError):
@@ -42,11 +45,15 @@ class WireError(ValueError):
         self.reason = reason
 
 
-def pack_array(arr: np.ndarray) -> dict[str, Any]:
+def pack_array(arr: np.ndarray, view: bool = False) -> dict[str, Any]:
+    """The wire map of an array; ``view=True`` puts a memoryview of its memory instead of a copy (for a map
+    that is encoded at once: msgpack copies it into the message, and a later change of the array would not)."""
     arr = np.asarray(arr)
-    if arr.dtype.name not in ALLOWED_DTYPES:
+    name = _DTYPE_NAMES.get(arr.dtype)
+    if name is None:
         raise WireError("malformed", f"dtype {arr.dtype.name} cannot travel; use one of {sorted(ALLOWED_DTYPES)}")
-    return {"dtype": arr.dtype.name, "shape": list(arr.shape), "data": arr.tobytes()}
+    data = memoryview(np.ascontiguousarray(arr)).cast("B") if view else arr.tobytes()
+    return {"dtype": name, "shape": list(arr.shape), "data": data}
 
 
 def unpack_array(obj: Any) -> np.ndarray:
@@ -58,7 +65,7 @@ def unpack_array(obj: Any) -> np.ndarray:
     if not all(isinstance(d, int) and d >= 0 for d in shape):
         raise WireError("malformed", f"bad array shape {shape!r}")
     count = int(np.prod(shape)) if shape else 1
-    if count * np.dtype(dtype).itemsize != len(data):
+    if count * _ITEMSIZE[dtype] != len(data):
         raise WireError("malformed", f"array of shape {shape} and dtype {dtype} cannot hold {len(data)} bytes")
     return np.frombuffer(data, dtype=dtype).reshape(shape).copy()
 
@@ -69,7 +76,7 @@ def encode(kind: str, **fields: Any) -> bytes:
     return msgpack.packb({"schema": SCHEMA_VERSION, "kind": kind, **fields}, use_bin_type=True)
 
 
-def decode(frame: bytes, max_bytes: int) -> dict[str, Any]:
+def decode(frame: bytes | memoryview, max_bytes: int) -> dict[str, Any]:
     """Parse and check one frame; raises WireError with a countable reason."""
     if len(frame) > max_bytes:
         raise WireError("oversized", f"{len(frame)} bytes exceeds the limit of {max_bytes}")

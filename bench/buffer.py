@@ -12,6 +12,12 @@ then the same with 16 producers and 4 consumers (rows ``memory-16p4c`` and ``red
 producer, consumer and the service run in their own process (no shared GIL). ``msgs_per_s`` counts groups
 consumed; ``p50_ms``/``p99_ms`` are the round-trip latencies of the producers' put requests. The Redis
 server is a private one on a free port (append-only, ``--fsync``); nothing touches another Redis.
+
+How the buffer client batches (printed, and stored as ``client`` in the JSON): a producer encodes each group
+afresh (own id) and puts PUT_BATCH groups per request with PUT_WINDOW requests in flight; the service
+validates, de-duplicates and stores each group and answers one status per group. A consumer asks for up to
+GET_BATCH groups, receives their stored bytes as frames and acks their ids. The raw baselines send the same
+payload sizes without any of that (PUSH/PULL: no acknowledgement at all).
 """
 
 from __future__ import annotations
@@ -35,7 +41,26 @@ sys.path.insert(0, str(ROOT))
 from async_rlhf.buffer.testing import RedisServer, free_port, make_group  # noqa: E402
 
 PAYLOADS = (1 << 10, 16 << 10, 256 << 10)
-BATCH = 8  # groups per consumer get (and per XREADGROUP)
+BATCH = 8  # groups per XREADGROUP of the raw Redis consumer
+PUT_BATCH = 16  # most groups per put request of the buffer client ...
+PUT_BATCH_BYTES = 1 << 20  # ... and at most this many payload bytes per request (256 KB groups: 4 per request)
+PUT_WINDOW = 4  # put requests in flight per producer (fewer for large groups: see put_window)
+WINDOW_BYTES = 2 << 20  # most payload bytes one producer has in flight
+WARMUP_S = 1.0  # processes start and connect before the measured window (0.5 with --quick)
+GET_BATCH = 64  # most groups per get request of a buffer consumer (answered as soon as one is held)
+CLIENT_NOTE = (f"buffer client: puts of min({PUT_BATCH}, {PUT_BATCH_BYTES >> 10} KB / payload) groups per request, "
+               f"at most {PUT_WINDOW} requests and {WINDOW_BYTES >> 20} MB in flight per producer, each group "
+               "acknowledged (a 'full' one is put again after 5 ms); "
+               f"consumers get up to {GET_BATCH} per request and ack them with their next get; "
+               "latency = put request round trip")
+
+
+def put_batch(size: int) -> int:
+    return max(1, min(PUT_BATCH, PUT_BATCH_BYTES // size))
+
+
+def put_window(size: int) -> int:
+    return max(1, min(PUT_WINDOW, WINDOW_BYTES // (size * put_batch(size))))
 
 
 # -- raw baselines ------------------------------------------------------------------------------------
@@ -108,35 +133,58 @@ def raw_redis_consumer(url: str, stream: str, name: str, t0: float, t1: float, o
 
 # -- the buffer service ---------------------------------------------------------------------------------
 def buffer_producer(address: str, tag: str, size: int, t0: float, t1: float, out: Any) -> None:
-    from async_rlhf.buffer.client import BufferClient
+    """Encodes every group afresh (a new id each), puts them in batches of PUT_BATCH with PUT_WINDOW requests
+    in flight; every group is acknowledged by the service ("ok"), "full" ones are put again."""
+    from async_rlhf.buffer.client import BufferClient, encode_group
 
     c = BufferClient(address, timeout_s=30.0)
     group = make_group(f"{tag}-0", payload_bytes=size)
     lat: list[float] = []
-    i = 0
+    sent_at: dict[int, float] = {}
+    retry: list[bytes] = []
+    counter = iter(range(1, 1 << 62))
+
+    per_request = put_batch(size)
+
+    def batches():
+        while time.time() < t1:
+            batch = retry[:per_request]
+            del retry[:len(batch)]
+            while len(batch) < per_request:
+                group.group_id = f"{tag}-{next(counter)}"
+                batch.append(encode_group(group))
+            sent_at[id(batch)] = time.perf_counter()
+            yield batch
+
     time.sleep(max(0.0, t0 - time.time() - 0.2))
-    while time.time() < t1:
-        i += 1
-        group.group_id = f"{tag}-{i}"
-        s = time.perf_counter()
-        c.put(group)
+    for batch, status in c.put_pipelined(batches(), window=put_window(size)):
+        done = time.perf_counter()
         if time.time() >= t0:
-            lat.append(time.perf_counter() - s)
+            lat.append(done - sent_at.pop(id(batch)))
+        else:
+            sent_at.pop(id(batch))
+        full = [g for g, st in zip(batch, status, strict=True) if st == "full"]
+        if full:  # the buffer is at capacity (consumers are behind): put them again a little later
+            retry += full
+            time.sleep(0.005)
     c.close()
     out.put(("latency", 0, lat))
 
 
 def buffer_consumer(address: str, name: str, t0: float, t1: float, out: Any) -> None:
+    """Gets up to GET_BATCH groups per request (their bytes and ids, not decoded); acks them with the next get."""
     from async_rlhf.buffer.client import BufferClient
 
     c = BufferClient(address, timeout_s=30.0, consumer=name)
     n = 0
+    done: list[str] = []
     while time.time() < t1:
-        groups = c.get(BATCH, 0, wait_s=0.05)
-        if groups:
-            c.ack([g.group_id for g in groups])
-            if time.time() >= t0:
-                n += len(groups)
+        ids, groups = c.get_encoded(GET_BATCH, 0, wait_s=0.05, at_least=1, ack=done)
+        done = ids  # acknowledged with the next get
+        if ids and time.time() >= t0:
+            n += len(groups)
+    if done:
+        c.ack(done)
     c.close()
     out.put(("consumed", n, []))
 
@@ -145,7 +193,7 @@ def start_service(store: str, redis_url: str, prefix: str) -> tuple[subprocess.P
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "async_rlhf.buffer", f"buffer.port={port}", f"buffer.store={store}",
-         f"buffer.redis_url={redis_url}", f"buffer.redis_prefix={prefix}", "train.batch_size=100000000",
+         f"buffer.redis_url={redis_url}", f"buffer.redis_prefix={prefix}", "train.batch_size=2048",
          "train.max_staleness=0", "buffer.capacity=4096"],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT)
     line = proc.stdout.readline()
@@ -179,7 +227,7 @@ _WANT_OUT = {raw_zmq_consumer, raw_redis_consumer, buffer_producer, buffer_consu
 def measure_raw_zmq(size: int, producers: int, consumers: int, seconds: float) -> float:
     # PUSH/PULL fans out to one bound PULL per consumer; producers connect to all of them
     ports = [free_port() for _ in range(consumers)]
-    t0 = time.time() + 1.0
+    t0 = time.time() + WARMUP_S
     t1 = t0 + seconds
     targets: list[tuple[Any, tuple]] = [(raw_zmq_consumer, (f"tcp://127.0.0.1:{p}", t0, t1)) for p in ports]
     targets += [(raw_zmq_producer, (f"tcp://127.0.0.1:{ports[i % consumers]}", size, t0, t1))
@@ -194,7 +242,7 @@ def measure_raw_redis(url: str, size: int, producers: int, consumers: int, secon
     stream = f"raw:{size}:{producers}:{time.time_ns()}"
     r = redis.Redis.from_url(url)
     r.xgroup_create(stream, "g", id="0", mkstream=True)
-    t0 = time.time() + 1.0
+    t0 = time.time() + WARMUP_S
     t1 = t0 + seconds
     targets: list[tuple[Any, tuple]] = [(raw_redis_consumer, (url, stream, f"c{i}", t0, t1)) for i in range(consumers)]
     targets += [(raw_redis_producer, (url, stream, size, t0, t1)) for _ in range(producers)]
@@ -207,7 +255,7 @@ def measure_buffer(store: str, url: str, size: int, producers: int, consumers: i
                    seconds: float) -> tuple[float, float, float]:
     proc, address = start_service(store, url, prefix=f"bench:{store}:{size}:{producers}:{time.time_ns()}")
     try:
-        t0 = time.time() + 1.0
+        t0 = time.time() + WARMUP_S
         t1 = t0 + seconds
         targets: list[tuple[Any, tuple]] = [(buffer_consumer, (address, f"c{i}", t0, t1)) for i in range(consumers)]
         targets += [(buffer_producer, (address, f"p{i}", size, t0, t1)) for i in range(producers)]
@@ -226,28 +274,39 @@ def main() -> int:
     ap.add_argument("--fsync", default="everysec", choices=("everysec", "always", "no"),
                     help="appendfsync of the private redis-server")
     ap.add_argument("--out", help="write the rows as JSON here")
+    ap.add_argument("--repeats", type=int, default=None,
+                    help="measure raw and buffer alternately this many times and report medians (default: 1 with "
+                         "--quick, else 3); on a shared machine this keeps load swings from deciding the ratio")
     args = ap.parse_args()
     seconds = args.seconds or (1.0 if args.quick else 3.0)
+    repeats = max(1, args.repeats or (1 if args.quick else 3))
+    global WARMUP_S
+    WARMUP_S = 0.5 if args.quick else 1.0
     cases = [(s, 1, 1) for s in PAYLOADS]
     cases += [(16 << 10, 16, 4)] if args.quick else [(s, 16, 4) for s in PAYLOADS]
     rows = []
+    print(CLIENT_NOTE)
     with tempfile.TemporaryDirectory() as tmp:
         server = RedisServer(tmp, fsync=args.fsync).start()
         try:
             for size, producers, consumers in cases:
                 suffix = "" if producers == 1 else f"-{producers}p{consumers}c"
-                raw_z = measure_raw_zmq(size, producers, consumers, seconds)
-                raw_r = measure_raw_redis(server.url, size, producers, consumers, seconds)
-                for store, raw in (("memory", raw_z), ("redis", raw_r)):
-                    rate, p50, p99 = measure_buffer(store, server.url, size, producers, consumers, seconds)
+                for store in ("memory", "redis"):
+                    raws, runs = [], []
+                    for _ in range(repeats):  # alternate, so both see the same swings of the machine's load
+                        raws.append(measure_raw_zmq(size, producers, consumers, seconds) if store == "memory"
+                                    else measure_raw_redis(server.url, size, producers, consumers, seconds))
+                        runs.append(measure_buffer(store, server.url, size, producers, consumers, seconds))
+                    raw = float(np.median(raws))
+                    rate, p50, p99 = (float(np.median([r[i] for r in runs])) for i in range(3))
                     rows.append({"store": store + suffix, "payload_bytes": size, "msgs_per_s": round(rate, 1),
                                  "raw_msgs_per_s": round(raw, 1), "ratio": round(rate / raw, 3) if raw else 0.0,
-                                 "p50_ms": round(p50, 3), "p99_ms": round(p99, 3)})
+                                 "p50_ms": round(p50, 3), "p99_ms": round(p99, 3), "repeats": repeats})
                     print_row(rows[-1], header=len(rows) == 1)
         finally:
             server.stop()
     if args.out:
-        Path(args.out).write_text(json.dumps({"rows": rows}, indent=2))
+        Path(args.out).write_text(json.dumps({"rows": rows, "client": CLIENT_NOTE}, indent=2))
     return 0
 
 

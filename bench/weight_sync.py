@@ -7,14 +7,24 @@ equal bytes (``many_small``: 128x128 tensors; ``few_large``: 4 tensors), with 1 
 
     raw_s    one flat uint8 tensor of the same bytes: broadcast + a 1-element allreduce (the cheapest
              "every receiver has it" signal on the same gloo group)
-    push_s   Sender.push: pack, bucketed broadcast, receivers unpack to named tensors and copy them into
-             a plain torch module (``param.copy_``), per-receiver ack through the store
-    pause_s  the slowest receiver's time inside Receiver.receive (entered together with the sender's start,
-             through a store handshake), i.e. what a generator spends paused per update
+    push_s   Sender.push: pack, bucketed broadcast into each receiver's buffer (Receiver.fetch, which a
+             generator runs on a thread while its engine keeps generating), per-receiver ack through the
+             store; then every receiver holds the version byte-exact
+    pause_s  the slowest receiver's Receiver.apply: the named tensors copied into a plain torch module
+             (``param.copy_``, as vLLM's weight loaders do), i.e. what a generator spends paused per update
+    live_s   from the push's start until every receiver has applied it (push_s + the swap)
     ratio    raw_s / push_s  (1.0: the push is as fast as the wire)
+    paired   median over repetitions of raw / push measured back to back (robust to load that drifts
+             during the run; the machine may be shared)
 
 Raw and push repetitions alternate (after one warm-up of each) so that load from other processes on the
 machine hits both alike; the table shows medians. ``--out`` writes JSON ``{"rows": [...]}``.
+
+Storage of the sender's tensors: ``flat`` is what the learner sends from under ZeRO-0 (fp32 parameters are
+moved into one buffer in push order by ``flatten_params``), ZeRO-1/2 and DeepSpeed's bf16/fp16 optimizers
+(their own flat buffers): every bucket leaves straight from parameter memory. ``separate`` is ZeRO-3, whose
+gathered tensors are packed into the buckets. The receivers always copy into a separate module (what
+vLLM's weight loaders do).
 """
 
 from __future__ import annotations
@@ -33,10 +43,10 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from async_rlhf.sync.group import allreduce_sum, free_port, post_broadcast, seconds  # noqa: E402
+from async_rlhf.sync.group import free_port, post_broadcast, seconds  # noqa: E402
 from async_rlhf.sync.layout import TensorSpec, auto_bucket_bytes, plan_buckets  # noqa: E402
-from async_rlhf.sync.receiver import Receiver, acknowledge, receive_buckets  # noqa: E402
-from async_rlhf.sync.sender import Sender, WeightSender  # noqa: E402
+from async_rlhf.sync.receiver import Receiver  # noqa: E402
+from async_rlhf.sync.sender import Sender  # noqa: E402
 from async_rlhf.sync.tensors import TORCH_DTYPES  # noqa: E402
 
 HOST = "127.0.0.1"
@@ -76,6 +86,11 @@ def plan(cfg: dict) -> list:
     return plan_buckets(specs, cfg["bucket_bytes"])
 
 
+def all_done(pg) -> None:
+    """The raw transfer's "every receiver has it": a 1-element allreduce on the same group."""
+    pg.allreduce([torch.zeros(1)]).wait(seconds(TIMEOUT_S))
+
+
 # -- receiver process -----------------------------------------------------------------------------
 
 def receiver_main(port: int, member_id: str, errors) -> None:
@@ -112,14 +127,10 @@ def receiver_main(port: int, member_id: str, errors) -> None:
             cpu0 = time.process_time()
             if op["op"] == "raw":
                 post_broadcast(rx.pg, rx.arena()[:op["nbytes"]]).wait(seconds(TIMEOUT_S))
-                allreduce_sum(rx.pg, torch.zeros(1), TIMEOUT_S)
+                all_done(rx.pg)
             elif op["op"] == "push":
-                result = rx.receive(load, per_bucket=True).metrics
-            elif op["op"] == "legacy":  # the first implementation: fresh buffers, one bucket at a time
-                t0 = time.perf_counter()
-                load([receive_buckets(rx.pg, buckets, TIMEOUT_S)])
-                acknowledge(rx.pg, TIMEOUT_S)
-                result = {"sync/pause_s": time.perf_counter() - t0}
+                staged = rx.fetch()  # a generator keeps generating meanwhile (on its worker's thread)
+                result = rx.apply(staged, load, per_bucket=True).metrics  # the swap: the generator's pause
             result["cpu_s"] = time.process_time() - cpu0
             store.set(f"bench/done/{j}/{member_id}", json.dumps(result))
             j += 1
@@ -178,24 +189,23 @@ class Bench:
         elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
         done = [f"bench/done/{j}/{m}" for m in self.ids]
         self._wait(done)
+        self.live_s = time.perf_counter() - t0
         results = [json.loads(v) for v in store.multi_get(done)]
         self.cpu_s = cpu + sum(r["cpu_s"] for r in results)
         return elapsed, results
 
     def _wait(self, keys: list[str]) -> None:
+        """Poll (a timed-out ``store.wait`` logs a c10d warning every time)."""
         deadline = time.monotonic() + TIMEOUT_S
-        while True:
-            try:
-                self.sender.store.wait(keys, seconds(1.0))
-                return
-            except Exception:
-                if not self.errors.empty():
-                    who, tb = self.errors.get()
-                    raise RuntimeError(f"receiver {who} failed:\n{tb}") from None
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"receivers never reported {keys}") from None
+        while not self.sender.store.check(keys):
+            if not self.errors.empty():
+                who, tb = self.errors.get()
+                raise RuntimeError(f"receiver {who} failed:\n{tb}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"receivers never reported {keys}")
+            time.sleep(0.0005)
 
-    def measure(self, cfg: dict, reps: int, legacy: bool) -> dict:
+    def measure(self, cfg: dict, reps: int) -> dict:
         specs = model_specs(cfg["params"], cfg["layout"], cfg["dtype"])
         params = make_tensors(specs, seed=cfg["params"] % 1000, storage=cfg["storage"])
         buckets = plan(cfg)
@@ -203,23 +213,23 @@ class Bench:
         nbytes = sum(b.nbytes for b in buckets)
         flat = torch.ones(nbytes, dtype=torch.uint8)
         pg = self.sender.pg
-        old = WeightSender(pg, buckets, len(self.ids), TIMEOUT_S)
         self.op(cfg)
         version = [0]
         push_metrics: list[dict] = []
 
         def raw() -> None:
             post_broadcast(pg, flat).wait(seconds(TIMEOUT_S))
-            allreduce_sum(pg, torch.zeros(1), TIMEOUT_S)
+            all_done(pg)
 
         def push() -> None:
             version[0] += 1
             push_metrics.append(self.sender.push(params, version[0]))
 
-        ops = [("raw", raw), ("push", push)] + ([("legacy", lambda: old.push(params))] if legacy else [])
+        ops = [("raw", raw), ("push", push)]
         times: dict[str, list[float]] = {name: [] for name, _ in ops}
         cpu: dict[str, list[float]] = {name: [] for name, _ in ops}
         pauses: dict[str, list[float]] = {name: [] for name, _ in ops}
+        live: list[float] = []
         rx_metrics = []
         for rep in range(reps + 1):  # rep 0 warms every path up
             for name, fn in (ops if rep % 2 == 0 else ops[::-1]):
@@ -232,22 +242,21 @@ class Bench:
                     pauses[name].append(max(r["sync/pause_s"] for r in results))
                 if name == "push":
                     rx_metrics.append(results)
+                    live.append(self.live_s)
         med = statistics.median
         row = {
             "params": cfg["params"], "layout": cfg["layout"], "dtype": cfg["dtype"], "receivers": len(self.ids),
             "storage": cfg["storage"], "load": cfg["load"],
             "bytes": nbytes, "bucket_bytes": cfg["bucket_bytes"], "buckets": len(buckets),
             "push_s": med(times["push"]), "raw_s": med(times["raw"]), "ratio": med(times["raw"]) / med(times["push"]),
-            "pause_s": med(pauses["push"]),
+            "ratio_paired": med(r / p for r, p in zip(times["raw"], times["push"])),
+            "pause_s": med(pauses["push"]), "live_s": med(live),
             "push_min_s": min(times["push"]), "raw_min_s": min(times["raw"]), "reps": reps,
             "raw_cpu_s": med(cpu["raw"]), "push_cpu_s": med(cpu["push"]),
             "pack_s": med(m["sync/pack_s"] for m in push_metrics[1:]),
             "transfer_s": med(max(r["sync/transfer_s"] for r in rs) for rs in rx_metrics),
-            "load_tail_s": med(max(r["sync/load_tail_s"] for r in rs) for rs in rx_metrics),
+            "load_s": med(max(r["sync/load_s"] for r in rs) for rs in rx_metrics),
         }
-        if legacy:
-            row.update({"legacy_s": med(times["legacy"]), "legacy_pause_s": med(pauses["legacy"]),
-                        "legacy_cpu_s": med(cpu["legacy"])})
         return row
 
 
@@ -256,14 +265,14 @@ def fmt_row(r: dict) -> str:
     return (f"{r['params'] / UNIT:>5.0f}M {r['dtype']:<8} {r['layout']:<10} {r['storage']:<8} {r['receivers']:>3} "
             f"{mb:>8.1f} "
             f"{r['buckets']:>5} {r['bucket_bytes'] / UNIT:>6.2f} {r['raw_s'] * 1e3:>8.1f} {r['push_s'] * 1e3:>8.1f} "
-            f"{r['ratio']:>6.2f} {r['pause_s'] * 1e3:>8.1f} {r['pause_s'] / r['raw_s']:>6.2f} "
-            f"{mb / 1e3 / r['push_s']:>6.2f} {r['raw_cpu_s'] * 1e3:>7.1f} {r['push_cpu_s'] * 1e3:>7.1f}"
-            + (f" {r['legacy_s'] * 1e3:>8.1f}" if "legacy_s" in r else ""))
+            f"{r['ratio']:>6.2f} {r['ratio_paired']:>6.2f} {r['pause_s'] * 1e3:>8.1f} {r['live_s'] * 1e3:>8.1f} "
+            f"{r['pause_s'] / r['raw_s']:>6.2f} "
+            f"{mb / 1e3 / r['push_s']:>6.2f} {r['raw_cpu_s'] * 1e3:>7.1f} {r['push_cpu_s'] * 1e3:>7.1f}")
 
 
 HEADER = (f"{'params':>6} {'dtype':<8} {'layout':<10} {'storage':<8} {'rx':>3} {'MB':>8} {'bkts':>5} {'bktMiB':>6} "
-          f"{'raw_ms':>8} {'push_ms':>8} {'ratio':>6} {'pause_ms':>8} {'p/raw':>6} {'GB/s':>6} {'raw_cpu':>7} "
-          f"{'pushcpu':>7}")
+          f"{'raw_ms':>8} {'push_ms':>8} {'ratio':>6} {'paired':>6} {'pause_ms':>8} {'live_ms':>8} {'p/raw':>6} "
+          f"{'GB/s':>6} {'raw_cpu':>7} {'pushcpu':>7}")
 
 
 def check_targets(rows: list[dict]) -> list[str]:
@@ -302,7 +311,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--load", default="copy", choices=["copy", "none"],
                     help="receivers copy into a torch module (copy) or only walk the named views (none)")
-    ap.add_argument("--legacy", action="store_true", help="also time the first implementation (WeightSender)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     sizes = [int(float(s) * UNIT) for s in (args.sizes or ("1,10" if args.quick else "1,10,50,200")).split(",")]
@@ -316,13 +324,13 @@ def main(argv: list[str] | None = None) -> int:
                     configs.append({"op": "cfg", "params": params, "layout": layout, "dtype": dtype,
                                     "bucket_bytes": bucket, "storage": storage, "load": args.load})
     rows = []
-    print(HEADER + (f" {'legacy_ms':>8}" if args.legacy else ""), flush=True)
+    print(HEADER, flush=True)
     t0 = time.time()
     for receivers in [int(r) for r in args.receivers.split(",")]:
         with Bench(receivers, args.depth) as bench:
             for cfg in configs:
                 reps = args.reps or (3 if args.quick or cfg["params"] >= 50 * UNIT else 5)
-                row = bench.measure(cfg, reps, args.legacy)
+                row = bench.measure(cfg, reps)
                 rows.append(row)
                 print(fmt_row(row), flush=True)
     print(f"({time.time() - t0:.0f}s; medians of alternating repetitions; GB/s = push bytes / push_s; *_cpu: CPU ms "

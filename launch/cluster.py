@@ -1,15 +1,20 @@
 """Launch an asynchronous RL run.
 
     python launch/cluster.py --generators 2 --learners 1 [--config run.yaml] [--model DIR]
-                             [--address ray://host:10001] [key=value ...]
+                             [--address ray://host:10001] [--resume RUN_DIR|CHECKPOINT] [--dry-run]
+                             [key=value ...]
+    python launch/cluster.py scale --run-dir runs/demo --generators 4     (a running job's fleet)
 
-Everything is validated before anything starts: a bad flag, config key, file or model path is refused
-with one line naming the problem and the fix.
+Everything is validated before anything starts: a bad flag, config key, file, model path, checkpoint,
+unreachable --address or a plan larger than the cluster is refused with one line naming the problem and
+the fix. ``--dry-run`` validates and prints the placement plan (resources per role, totals) without Ray.
+Under ``ray job submit``, leave out --address: the job joins its cluster (RAY_ADDRESS) itself.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from pathlib import Path
@@ -23,8 +28,57 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", help="Hugging Face causal-LM directory; default: the tiny model + SFT warm start")
     p.add_argument("--address", help="Ray cluster to join (default: start Ray on this machine)")
     p.add_argument("--run-dir", help="run directory (default runs/demo)")
+    p.add_argument("--resume", help="continue from a run directory's last checkpoint or a checkpoints/step-N dir")
+    p.add_argument("--dry-run", action="store_true",
+                   help="validate the config and print the placement plan; start nothing")
     p.add_argument("overrides", nargs="*", help="config overrides such as train.steps=100")
     return p.parse_args(argv)
+
+
+def parse_scale_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="cluster.py scale", description="resize the generator fleet of a running job")
+    p.add_argument("--run-dir", required=True, help="run directory of the running job (holds control.json)")
+    p.add_argument("--generators", type=int, required=True, help="generators wanted")
+    return p.parse_args(argv)
+
+
+def check_address(address: str, timeout_s: float = 3.0) -> None:
+    """Refuse an ``--address`` nothing listens on (``auto`` is left to Ray)."""
+    import socket
+
+    if address == "auto":
+        return
+    hostport = address.split("://", 1)[-1].rstrip("/")
+    host, _, port = hostport.rpartition(":")
+    if not host or not port.isdigit():
+        raise _config_error(f"--address {address}: expected host:port or ray://host:port (or auto)")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        raise _config_error(f"--address {address} is unreachable ({exc.strerror or exc}); check that the Ray "
+                            "head runs there and the port is open, or leave --address out to start Ray here"
+                            ) from None
+
+
+def _config_error(msg: str) -> Exception:
+    from async_rlhf.config import ConfigError
+
+    return ConfigError(msg)
+
+
+def local_resources(cfg) -> dict[str, float]:
+    """What a Ray started on this machine offers: GPUs found by nvidia-smi; CPUs only when run.num_cpus
+    caps them (otherwise roles share the cores and the plan's CPUs are a reservation, not a limit)."""
+    import os
+    import shutil
+    import subprocess
+
+    gpus = 0
+    if shutil.which("nvidia-smi"):
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10).stdout
+        gpus = sum(1 for line in out.splitlines() if line.startswith("GPU "))
+    cpus = cfg.run.num_cpus or float("inf")
+    return {"CPU": cpus, "GPU": float(gpus), "_cores": float(os.cpu_count() or 1)}
 
 
 def build_config(args: argparse.Namespace):
@@ -39,7 +93,22 @@ def build_config(args: argparse.Namespace):
         overrides.append(f"model.path={args.model}")
     if args.run_dir:
         overrides.append(f"run.dir={args.run_dir}")
-    cfg = load_config(args.config, overrides)
+    base = args.config
+    if args.resume:
+        from async_rlhf.checkpoint import read_manifest, resolve_resume, run_dir_of
+
+        args.checkpoint = resolve_resume(args.resume)
+        run_dir = run_dir_of(args.checkpoint)
+        if not args.config and (run_dir / "config.json").is_file():
+            base = str(run_dir / "config.json")  # the run's own config; overrides still apply
+        if not args.run_dir:
+            overrides.append(f"run.dir={run_dir}")
+    cfg = load_config(base, overrides)
+    if args.resume:
+        step = read_manifest(args.checkpoint)["step"]
+        if cfg.train.steps <= step:
+            raise _config_error(f"--resume {args.resume}: the checkpoint is at step {step} and train.steps is "
+                                f"{cfg.train.steps}; raise train.steps to continue")
     if cfg.model.path:
         check_model_dir(cfg.model.path)
     return cfg
@@ -49,16 +118,66 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from async_rlhf.config import ConfigError
 
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["scale"]:
+        return scale(parse_scale_args(argv[1:]))
     args = parse_args(argv)
+    args.checkpoint = None
     try:
         cfg = build_config(args)
+        from async_rlhf.placement import check_fits, format_plan, plan_placement
+
+        plan = plan_placement(cfg)
+        if args.address:
+            check_address(args.address)
+        if args.dry_run:
+            here = local_resources(cfg)
+            print(format_plan(plan, {"CPU": here["_cores"], "GPU": here["GPU"]}))
+            print("plan (JSON): " + json.dumps(plan.to_dict()))
+            return 0
+        if not args.address:
+            check_fits(plan, local_resources(cfg), "this machine")
+        else:
+            import ray
+
+            ray.init(address=args.address, include_dashboard=False, log_to_driver=True)
+            check_fits(plan, ray.cluster_resources(), f"the Ray cluster at {args.address}")
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from async_rlhf.runner import run
 
-    run(cfg, address=args.address)
+    try:
+        run(cfg, address=args.address, resume=args.checkpoint)
+    except Exception as exc:  # a role failed mid-run: the job has stopped its actors; say how to go on
+        logging.getLogger("launch").exception("the run failed")
+        from async_rlhf.checkpoint import list_checkpoints
+
+        done = list_checkpoints(cfg.run.dir)
+        hint = f"resume with --resume {done[-1]}" if done else "no checkpoint was written (run.checkpoint_every)"
+        print(f"error: the run stopped: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}; "
+              f"{hint}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def scale(args: argparse.Namespace) -> int:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from async_rlhf.control import send_control
+
+    if args.generators < 1:
+        print(f"error: --generators must be at least 1, got {args.generators}", file=sys.stderr)
+        return 2
+    try:
+        reply = send_control(args.run_dir, {"op": "scale", "generators": args.generators})
+    except RuntimeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if not reply.get("ok"):
+        print(f"error: {reply.get('error')}", file=sys.stderr)
+        return 2
+    print(f"fleet of {args.run_dir}: scaling to {args.generators} generator(s) ({reply['applied_at']})")
     return 0
 
 

@@ -50,10 +50,10 @@ class AdmissionControl:
         self.running += granted
         return granted
 
-    def finished(self) -> None:
-        """A started group arrived complete."""
-        self.running = max(0, self.running - 1)
-        self.accepted += 1
+    def finished(self, n: int = 1) -> None:
+        """``n`` started groups arrived complete."""
+        self.running = max(0, self.running - n)
+        self.accepted += n
 
     def release(self, n: int) -> None:
         """Slots granted but never used (a generator stopping or dying)."""

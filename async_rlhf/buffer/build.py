@@ -15,7 +15,7 @@ def build_logic(cfg: Config) -> BufferLogic:
     store = make_store(b.store, url=b.redis_url, prefix=b.redis_prefix, retry_s=b.redis_retry_s)
     return BufferLogic(store, groups_per_version=cfg.train.batch_size * cfg.train.push_every,
                        max_staleness=cfg.train.max_staleness, capacity=b.capacity, policy=b.policy,
-                       visibility_timeout_s=b.visibility_timeout_s)
+                       visibility_timeout_s=b.visibility_timeout_s, reward_deadline_s=b.reward_deadline_s)
 
 
 def server_keys(b: BufferConfig) -> CurveServerKeys | None:

@@ -12,12 +12,15 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
+import msgpack
 import zmq
 
 from async_rlhf.buffer.curve import CurveClientKeys, secure_client
+from async_rlhf.buffer.frames import as_frames, frames_as_buffers
 from async_rlhf.types import Group
 from async_rlhf.wire import decode, encode
 
@@ -49,6 +52,8 @@ class BufferClient:
         self.max_bytes = max_message_bytes
         self.consumer = consumer or default_consumer_name()
         self._ids = itertools.count(1)
+        self._unanswered_admit: str | None = None
+        """Request id of an admit that got no reply; the next admit repeats it, so no slot is granted twice."""
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -59,53 +64,145 @@ class BufferClient:
     def close(self) -> None:
         self._sock.close(0)
 
-    def request(self, kind: str, timeout_s: float | None = None, **fields: Any) -> dict[str, Any]:
+    def request(self, kind: str, timeout_s: float | None = None, parts: list[bytes] | None = None,
+                **fields: Any) -> dict[str, Any]:
+        """Send one request (``parts``: group frames after it) and wait for its reply.
+
+        A reply's own frames after its header (the groups of a ``get``) are returned under ``"parts"``.
+        """
+        req_id = self.send_request(kind, timeout_s, parts, **fields)
+        return self.wait_reply(kind, req_id, timeout_s)
+
+    def send_request(self, kind: str, timeout_s: float | None = None, parts: list[bytes] | None = None,
+                     **fields: Any) -> int:
+        """The sending half of :meth:`request` (for pipelining: several sends, then their replies)."""
         req_id = next(self._ids)
         wait = timeout_s if timeout_s is not None else self.timeout_s
-        deadline = time.monotonic() + wait
         # a DEALER with no live peer (e.g. a refused CURVE handshake) blocks in send: bound that wait too
         self._sock.setsockopt(zmq.SNDTIMEO, max(1, int(wait * 1000)))
+        if parts:
+            fields["parts"] = len(parts)
         try:
-            self._sock.send(encode(kind, req_id=req_id, **fields))
+            header = encode(kind, req_id=req_id, **fields)
+            self._sock.send_multipart([header, *(parts or [])], copy=False)  # large frames: not copied
         except zmq.Again:
             raise BufferUnavailable(f"buffer service at {self.address} accepted no '{kind}' request within "
                                     f"{wait:g} s (no connection; for CURVE check the keys)") from None
+        return req_id
+
+    def wait_reply(self, kind: str, req_id: int, timeout_s: float | None = None) -> dict[str, Any]:
+        """The reply to request ``req_id``; replies to older requests (timed out, or pipelined) are skipped."""
+        wait = timeout_s if timeout_s is not None else self.timeout_s
+        deadline = time.monotonic() + wait
         while True:
             left_ms = int((deadline - time.monotonic()) * 1000)
             if left_ms <= 0 or not self._sock.poll(left_ms):
                 raise BufferUnavailable(
                     f"buffer service at {self.address} did not answer a '{kind}' request within "
-                    f"{timeout_s or self.timeout_s:g} s; check that it is running (buffer.request_timeout_s)"
+                    f"{wait:g} s; check that it is running (buffer.request_timeout_s)"
                 )
-            reply = decode(self._sock.recv(), self.max_bytes)
+            frames = frames_as_buffers(self._sock.recv_multipart(copy=False))
+            reply = decode(frames[0], self.max_bytes)
             if reply.get("req_id") not in (req_id, None):
                 continue  # the late answer to a request that already timed out
             if reply["kind"] == "error":
                 raise BufferRequestError(f"buffer refused '{kind}': {reply.get('detail')}")
+            if reply.get("parts", 0) != len(frames) - 1:
+                raise BufferRequestError(f"buffer reply to '{kind}' announced {reply.get('parts', 0)} parts "
+                                         f"but carried {len(frames) - 1}")
+            reply["parts"] = frames[1:]
             return reply
 
     # -- typed helpers -----------------------------------------------------------------------
     def admit(self, want: int) -> tuple[int, int]:
-        r = self.request("admit", want=want)
-        return int(r["granted"]), int(r["version"])
+        """Ask for ``want`` new groups; returns (granted, learner version). Safe to call again after a timeout.
 
-    def put(self, group: Group, *, full_wait_s: float | None = None) -> bool:
+        Each admit carries a request id; when the reply is lost (BufferUnavailable) the next call repeats the
+        same id and the service answers with its first grant instead of granting again.
+        """
+        rid = self._unanswered_admit = self._unanswered_admit or uuid.uuid4().hex
+        r = self.request("admit", want=want, request_id=rid)
+        self._unanswered_admit = None
+        granted, version = int(r["granted"]), int(r["version"])
+        if granted > want:  # the repeated request had asked for more than this call wants
+            self.release(granted - want)
+            granted = want
+        return granted, version
+
+    def put(self, group: Group, *, full_wait_s: float | None = None, rewards_pending: bool = False) -> bool:
         """Hand over a finished group; True if stored, False if its id was already known (idempotent).
 
-        While the buffer is at capacity the service answers "full"; the put is retried with a growing pause
-        for up to ``full_wait_s`` (default: the client timeout), then :class:`BufferFull` is raised.
+        With ``rewards_pending`` the group is kept (state ``awaiting_reward``) but not delivered until
+        :meth:`reward` fills its rewards. While the buffer is at capacity the service answers "full"; the put
+        is retried with a growing pause for up to ``full_wait_s`` (default: the client timeout), then
+        :class:`BufferFull` is raised.
         """
-        wire = group.to_wire()
+        return self.put_many([group], full_wait_s=full_wait_s, rewards_pending=rewards_pending)[0]
+
+    def put_many(self, groups: list[Group], *, full_wait_s: float | None = None,
+                 rewards_pending: bool = False) -> list[bool]:
+        """Hand over several groups in one request (one reply, one status per group); see :meth:`put`."""
+        return self.put_encoded([encode_group(g) for g in groups], full_wait_s=full_wait_s,
+                                rewards_pending=rewards_pending)
+
+    def put_encoded(self, groups: list[bytes], *, full_wait_s: float | None = None,
+                    rewards_pending: bool = False) -> list[bool]:
+        """:meth:`put_many` of groups already encoded with :func:`encode_group` (True: stored, False: duplicate)."""
+        accepted: list[bool | None] = [None] * len(groups)
+        todo = list(range(len(groups)))
         deadline = time.monotonic() + (self.timeout_s if full_wait_s is None else full_wait_s)
         pause = 0.005
         while True:
-            r = self.request("put", group=wire)
-            if not r.get("full"):
-                return bool(r["accepted"])
+            r = self._send_put([groups[i] for i in todo], rewards_pending, wait=True)
+            full = []
+            for i, status in zip(todo, r["status"], strict=True):
+                if status == "full":
+                    full.append(i)
+                else:
+                    accepted[i] = status == "ok"
+            if not full:
+                return [bool(a) for a in accepted]
             if time.monotonic() >= deadline:
                 raise BufferFull(f"buffer at {self.address} stayed full for {full_wait_s or self.timeout_s:g} s")
+            todo = full
             time.sleep(pause)
             pause = min(pause * 2, 0.2)
+
+    def put_pipelined(self, batches: Iterable[list[bytes]], window: int = 4, *,
+                      rewards_pending: bool = False) -> Iterator[tuple[list[bytes], list[str]]]:
+        """Puts of encoded batches with up to ``window`` requests in flight; yields (batch, statuses) in order.
+
+        Statuses are ``ok``, ``duplicate`` or ``full`` (the caller puts those again later). The service
+        answers requests of one connection in order, so the oldest reply is always the next to wait for.
+        """
+        inflight: deque[tuple[int, list[bytes]]] = deque()
+        for batch in batches:
+            if len(inflight) >= window:
+                rid, sent = inflight.popleft()
+                yield sent, self.wait_reply("put", rid)["status"]
+            inflight.append((self._send_put(batch, rewards_pending), batch))
+        while inflight:
+            rid, sent = inflight.popleft()
+            yield sent, self.wait_reply("put", rid)["status"]
+
+    def _send_put(self, batch: list[bytes], rewards_pending: bool, wait: bool = False) -> Any:
+        """Send one put of encoded groups (inline when all are small, else as frames); with ``wait``, its reply."""
+        if as_frames(batch):
+            rid = self.send_request("put", parts=batch, rewards_pending=rewards_pending)
+        else:
+            rid = self.send_request("put", groups=batch, rewards_pending=rewards_pending)
+        return self.wait_reply("put", rid) if wait else rid
+
+    def reward(self, group_id: str, rewards: list[float]) -> dict[str, Any]:
+        """Late rewards (one per sample, in sample order) of a group put with ``rewards_pending``.
+
+        Returns ``{"ok": True}`` once the group is deliverable, or ``{"ok": False, "reason": ...}`` for a
+        group that is unknown, finished (trained, dropped, e.g. ``reward_timeout``) or already rewarded.
+        A wrong number of rewards raises :class:`BufferRequestError`. Safe to repeat: a repeat answers
+        ``already_rewarded``.
+        """
+        r = self.request("reward", group_id=group_id, rewards=[float(x) for x in rewards])
+        return {"ok": bool(r["ok"]), "reason": r.get("reason"), "state": r.get("state")}
 
     def release(self, n: int) -> None:
         self.request("release", n=n)
@@ -115,9 +212,21 @@ class BufferClient:
         return int(self.request("release", n=0, consumer=consumer).get("redelivered", 0))
 
     def get(self, n: int, version: int, wait_s: float = 1.0, *, consumer: str | None = None) -> list[Group]:
+        return [decode_group(g) for g in self.get_encoded(n, version, wait_s, consumer=consumer)[1]]
+
+    def get_encoded(self, n: int, version: int, wait_s: float = 1.0, *, consumer: str | None = None,
+                    at_least: int | None = None, ack: list[str] | None = None) -> tuple[list[str], list[bytes]]:
+        """:meth:`get` without building the groups: (ids, msgpack bytes as the generator sent them).
+
+        ``at_least`` (default ``n``): answer as soon as that many are held, with up to ``n``. ``ack``: ids
+        trained on since the last get, acknowledged before this get is served (saves a round trip).
+        """
+        extra: dict[str, Any] = {} if at_least is None else {"at_least": at_least}
+        if ack:
+            extra["ack"] = list(ack)
         r = self.request("get", timeout_s=wait_s + self.timeout_s, n=n, version=version, wait_s=wait_s,
-                         consumer=consumer or self.consumer)
-        return [Group.from_wire(g) for g in r["groups"]]
+                         consumer=consumer or self.consumer, as_bytes=True, **extra)
+        return list(r.get("ids", [])), r["parts"] or list(r.get("groups", []))
 
     def ack(self, group_ids: list[str], *, consumer: str | None = None) -> int:
         return int(self.request("ack", group_ids=list(group_ids), consumer=consumer or self.consumer)["acked"])
@@ -127,7 +236,16 @@ class BufferClient:
 
     def stats(self, ledger: bool = False) -> dict[str, Any]:
         r = self.request("stats", ledger=ledger)
-        return {k: v for k, v in r.items() if k not in ("schema", "kind", "req_id")}
+        return {k: v for k, v in r.items() if k not in ("schema", "kind", "req_id", "parts")}
+
+
+def encode_group(group: Group) -> bytes:
+    """A group's wire form as the msgpack bytes the buffer stores and hands to learners unchanged."""
+    return msgpack.packb(group.to_wire(views=True), use_bin_type=True)  # one copy: into the message
+
+
+def decode_group(data: bytes | memoryview) -> Group:
+    return Group.from_wire(msgpack.unpackb(data, raw=False, strict_map_key=True))
 
 
 def with_retry(call: Callable[[], T], what: str, give_up_after_s: float) -> T:

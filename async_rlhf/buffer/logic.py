@@ -8,26 +8,42 @@ same Redis continues with the same version, admission counts and totals.
 
 from __future__ import annotations
 
+import itertools
+import math
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from typing import Any
 
+import msgpack
+
 from async_rlhf.buffer.admission import AdmissionControl, is_stale, staleness
+from async_rlhf.buffer.envelope import Envelope, inspect_group
 from async_rlhf.buffer.metrics import LatencyWindow, RateMeter
 from async_rlhf.buffer.policy import check_policy, select, victim
-from async_rlhf.buffer.store import DELIVERED, HELD, MemoryStore, StoredGroup
-from async_rlhf.types import Group
+from async_rlhf.buffer.store import AWAITING, DELIVERED, DROPPED, HELD, TRAINED, MemoryStore, StoredGroup
+from async_rlhf.wire import WireError
 
 ADMISSION_KEYS = ("version", "accepted", "running")
+PUT_OK, PUT_DUPLICATE, PUT_FULL = "ok", "duplicate", "full"
+NO_FLOOR = 1 << 62
+ADMIT_MEMORY = 4096
+"""How many admit request ids the service remembers: a retried admit is answered from here, never granted twice."""
+REWARD_REFUSALS = {None: "unknown_group", HELD: "already_rewarded", DELIVERED: "already_rewarded",
+                   TRAINED: "finished", DROPPED: "finished"}
 
 
 class BufferLogic:
     """Everything the service decides; unit tests drive it directly."""
 
     def __init__(self, store: MemoryStore, groups_per_version: int, max_staleness: int, *, capacity: int = 0,
-                 policy: str = "fifo", visibility_timeout_s: float = 600.0) -> None:
+                 policy: str = "fifo", visibility_timeout_s: float = 600.0, reward_deadline_s: float = 60.0) -> None:
         if capacity < 0:
             raise ValueError(f"buffer.capacity must be 0 (unbounded) or more, got {capacity}")
+        if not reward_deadline_s > 0:
+            raise ValueError(f"buffer.reward_deadline_s must be above 0, got {reward_deadline_s}")
+        self.reward_deadline_s = reward_deadline_s
+        self._admits: OrderedDict[str, dict[str, Any]] = OrderedDict(
+            (rid, {"granted": g, "version": v}) for rid, (g, v) in store.admits().items())
         self.store = store
         self.max_staleness = max_staleness
         self.capacity = capacity
@@ -66,10 +82,20 @@ class BufferLogic:
         """Groups that may still be started or put before the capacity bound (None: unbounded)."""
         if not self.capacity:
             return None
-        return self.capacity - len(self.store) - self.store.num_delivered() - self.admission.running
+        return self.capacity - self._stored() - self.admission.running
+
+    def _stored(self) -> int:
+        """Groups that take room: held, awaiting their reward, delivered and not yet acknowledged."""
+        return len(self.store) + len(self.store.awaiting()) + self.store.num_delivered()
 
     # -- generators -------------------------------------------------------------------------
-    def admit(self, want: int) -> dict[str, Any]:
+    def admit(self, want: int, request_id: str | None = None) -> dict[str, Any]:
+        """Grant up to ``want`` new groups. A repeated ``request_id`` (a client retry) gets the first answer."""
+        if request_id is not None:
+            earlier = self._admits.get(request_id)
+            if earlier is not None:
+                self.counters["admit_retried"] += 1
+                return earlier
         want = max(0, int(want))
         room = self.room()
         if room is not None:
@@ -77,10 +103,17 @@ class BufferLogic:
                 self.counters["admit_full"] += 1  # persisted with the next write (refusals are frequent)
             want = min(want, max(0, room))
         granted = self.admission.admit(want)
+        out = {"granted": granted, "version": self.admission.version}
         if granted:
             self.counters["admitted"] += granted
-            self.store.save_meta(self._meta())
-        return {"granted": granted, "version": self.admission.version}
+            if request_id is None:
+                self.store.save_meta(self._meta())
+            else:  # a durable store keeps the answer with the counters: a retry after a restart finds it too
+                self._admits[request_id] = out
+                if len(self._admits) > ADMIT_MEMORY:
+                    self._admits.popitem(last=False)
+                self.store.save_admit(request_id, granted, self.admission.version, ADMIT_MEMORY, self._meta())
+        return out
 
     def release(self, n: int, consumer: str | None = None) -> dict[str, Any]:
         """Give back ``n`` unused admission slots; with ``consumer``, also declare that learner dead."""
@@ -93,49 +126,145 @@ class BufferLogic:
             out["redelivered"] = self.declare_dead(str(consumer))
         return out
 
-    def put(self, wire_group: Any) -> dict[str, Any]:
-        group = Group.from_wire(wire_group)  # validates; raises WireError
-        gid = group.group_id
-        if self.store.state(gid) is not None:
-            self.counters["duplicate_put"] += 1
+    def put(self, wire_group: Any, rewards_pending: bool = False) -> dict[str, Any]:
+        """Store one complete group, given as its wire map or its msgpack bytes (kept as they are).
+
+        A known id (in any state) is a duplicate: answered, counted, never stored twice, so a client may
+        repeat a put whose reply it lost. With ``rewards_pending`` the group waits in ``awaiting_reward``
+        until :meth:`reward` (or the reward deadline) and is never delivered before.
+        """
+        if isinstance(wire_group, bytes):
+            status = self.put_many([wire_group], rewards_pending)[0]
+        else:
+            env = inspect_group(wire_group)  # validates; raises WireError
+            status = self._store([(env, msgpack.packb(wire_group, use_bin_type=True))], rewards_pending)[0]
+        return {"accepted": status == PUT_OK, "duplicate": status == PUT_DUPLICATE, **(
+            {"full": True} if status == PUT_FULL else {})}
+
+    def put_many(self, groups: list[bytes], rewards_pending: bool = False) -> list[str]:
+        """Store groups given as msgpack bytes; one status each (``ok``, ``duplicate``, ``full``).
+
+        All are checked before any is stored, so one malformed group refuses the whole call (WireError).
+        """
+        checked = []
+        for i, data in enumerate(groups):
+            try:
+                wire = msgpack.unpackb(data, raw=False, strict_map_key=True)
+            except Exception as exc:  # msgpack raises several unrelated types on garbage
+                raise WireError("malformed", f"group {i} of the put is not msgpack ({type(exc).__name__})") from None
+            checked.append((inspect_group(wire), data))
+        return self._store(checked, rewards_pending)
+
+    def _store(self, checked: list[tuple[Envelope, bytes]], rewards_pending: bool) -> list[str]:
+        status: list[str] = []
+        fresh: list[StoredGroup] = []
+        taken: set[str] = set()
+        stored = self._stored()
+        for env, data in checked:
+            gid = env.group_id
+            if gid in taken or self.store.state(gid) is not None:
+                self.counters["duplicates"] += 1
+                status.append(PUT_DUPLICATE)
+                continue
+            if self.capacity and stored + len(fresh) >= self.capacity:
+                out = victim(self.policy, self.store.held(), env.min_version)
+                if out is None:
+                    self.counters["put_full"] += 1
+                    status.append(PUT_FULL)
+                    continue
+                self.admission.dropped(1)
+                self.counters["dropped_evicted"] += 1
+                self.store.drop([out.group_id], "evicted", self._meta())
+                stored -= 1
+            taken.add(gid)
+            fresh.append(StoredGroup(gid, env.min_version, env.num_samples, env.num_tokens, data))
+            status.append(PUT_OK)
+        if fresh:
+            self.admission.finished(len(fresh))
+            self.counters["put_tokens"] += sum(g.num_tokens for g in fresh)
+            self.counters["put"] += len(fresh)
+            if rewards_pending:
+                self.counters["put_awaiting_reward"] += len(fresh)
+            self.store.put_many(fresh, self._meta(), awaiting=bool(rewards_pending))
+            self.put_rate.add(len(fresh))
+        else:  # duplicates or "full" only: persist their counters (a durable store reloads them)
             self.store.save_meta(self._meta())
-            return {"accepted": False, "duplicate": True}
-        min_version = group.min_version
-        if self.capacity and len(self.store) + self.store.num_delivered() >= self.capacity:
-            out = victim(self.policy, self.store.held(), min_version)
-            if out is None:
-                self.counters["put_full"] += 1
-                self.store.save_meta(self._meta())
-                return {"accepted": False, "duplicate": False, "full": True}
-            self.admission.dropped(1)
-            self.counters["dropped_evicted"] += 1
-            self.store.drop([out.group_id], "evicted", self._meta())
-        stored = StoredGroup(gid, min_version, len(group.samples), group.num_tokens, wire_group)
-        self.admission.finished()
-        self.counters["put"] += 1
-        self.counters["put_tokens"] += group.num_tokens
-        self.store.put(stored, self._meta())
-        self.put_rate.add()
-        return {"accepted": True, "duplicate": False}
+        return status
+
+    def reward(self, group_id: Any, rewards: Any) -> dict[str, Any]:
+        """Fill the rewards of a group put with ``rewards_pending`` (one per sample, in order) and release it.
+
+        A reward for a group that is unknown, finished or already rewarded is answered ``ok=False`` with a
+        reason and counted; a wrong count or a non-number is a malformed request (nothing changes).
+        """
+        if not isinstance(group_id, str) or not group_id:
+            raise WireError("malformed", "reward needs group_id, a non-empty string")
+        if not isinstance(rewards, list) or not all(
+                type(r) in (int, float) and math.isfinite(r) for r in rewards):
+            raise WireError("malformed", "rewards must be a list of finite numbers, one per sample in sample order")
+        state = self.store.state(group_id)
+        if state != AWAITING:
+            reason = REWARD_REFUSALS.get(state, "not_awaiting")
+            self.counters[f"reward_refused_{reason}"] += 1
+            return {"ok": False, "reason": reason, "state": state}
+        group = self.store.awaiting()[group_id]
+        if len(rewards) != group.num_samples:
+            raise WireError("malformed", f"group {group_id} has {group.num_samples} samples but {len(rewards)} "
+                                         "rewards were given; send exactly one reward per sample, in sample order")
+        wire = group.wire
+        for sample, r in zip(wire["samples"], rewards, strict=True):
+            sample["reward"] = float(r)
+        self.counters["rewarded"] += 1
+        self.store.reward(group_id, msgpack.packb(wire, use_bin_type=True), self._meta())
+        return {"ok": True}
+
+    def expire_rewards(self, now: float | None = None) -> int:
+        """Drop (reason ``reward_timeout``) every group still awaiting its reward after the deadline."""
+        now = time.time() if now is None else now
+        late = [gid for gid, g in self.store.awaiting().items() if now - g.since > self.reward_deadline_s]
+        if late:
+            self.admission.dropped(len(late))
+            self.counters["dropped_reward_timeout"] += len(late)
+            self.store.drop(late, "reward_timeout", self._meta())
+        return len(late)
 
     # -- learners ---------------------------------------------------------------------------
     def drop_stale(self, version: int) -> int:
+        floor = self.store.held_floor()
+        if floor is not None and not is_stale(version, floor, self.max_staleness):
+            return 0  # no held group can be stale: skip the scan
         stale = [g.group_id for g in self.store.held() if is_stale(version, g.min_version, self.max_staleness)]
         if stale:
             self.admission.dropped(len(stale))
             self.counters["dropped_stale"] += len(stale)
             self.store.drop(stale, "stale", self._meta())
+        self.store.set_held_floor(min((g.min_version for g in self.store.held()), default=NO_FLOOR))
         return len(stale)
 
-    def try_get(self, n: int, version: int, consumer: str = "anon") -> list[dict[str, Any]] | None:
-        """``n`` fresh groups for ``consumer`` at learner ``version``, or None while fewer are held."""
+    def try_get(self, n: int, version: int, consumer: str = "anon", at_least: int | None = None) -> list[bytes] | None:
+        """Up to ``n`` fresh groups (their bytes) for ``consumer`` at learner ``version``.
+
+        None while fewer than ``at_least`` (default ``n``) are held; a learner asks for exactly its share,
+        a streaming consumer for "up to n, at least 1".
+        """
+        taken = self.take(n, version, consumer, at_least)
+        return None if taken is None else [g.data for g in taken]
+
+    def take(self, n: int, version: int, consumer: str = "anon",
+             at_least: int | None = None) -> list[StoredGroup] | None:
+        """:meth:`try_get` returning the stored groups (id and bytes)."""
         n, version = int(n), int(version)
         if n <= 0:
             return []
+        at_least = n if at_least is None else max(1, min(int(at_least), n))
         self.drop_stale(version)
-        if len(self.store) < n:
+        if len(self.store) < at_least:
             return None
-        chosen = [g.group_id for g in select(self.policy, self.store.held(), n)]
+        n = min(n, len(self.store))
+        if self.policy == "fifo" and self.store.held_in_order():
+            chosen = list(itertools.islice(self.store.held_ids(), n))
+        else:
+            chosen = [g.group_id for g in select(self.policy, self.store.held(), n)]
         redelivered = sum(1 for gid in chosen if self.store.get_held(gid).deliveries > 0)
         self.counters["delivered"] += len(chosen)
         self.counters["redelivered"] += redelivered
@@ -143,7 +272,7 @@ class BufferLogic:
         for g in taken:
             self.staleness_hist[staleness(version, g.min_version)] += 1
         self.get_rate.add(len(taken))
-        return [g.wire for g in taken]
+        return taken
 
     def ack(self, group_ids: list[Any]) -> dict[str, Any]:
         fresh: list[str] = []
@@ -163,6 +292,7 @@ class BufferLogic:
     def tick(self, now: float | None = None) -> int:
         """Redeliver every group whose learner has not acked it within the visibility timeout."""
         now = time.time() if now is None else now
+        self.expire_rewards(now)
         overdue = [gid for gid, d in self.store.delivered().items() if now - d.at > self.visibility_timeout_s]
         return self._redeliver(overdue, "visibility_timeout")
 
@@ -178,8 +308,8 @@ class BufferLogic:
         return len(self.store.redeliver(gids, self._meta()))
 
     def drop_held(self, reason: str) -> int:
-        """Mark every held group dropped (end of a run: generated, never trained)."""
-        held = [g.group_id for g in self.store.held()]
+        """Mark every held or awaiting group dropped (end of a run: generated, never trained)."""
+        held = [g.group_id for g in self.store.held()] + list(self.store.awaiting())
         if held:
             self.admission.dropped(len(held))
             self.counters[f"dropped_{reason}"] += len(held)
@@ -210,6 +340,7 @@ class BufferLogic:
             "buffer/capacity": a.capacity,
             "buffer/capacity_groups": self.capacity,
             "buffer/delivered_unacked": self.store.num_delivered(),
+            "buffer/awaiting_reward": len(self.store.awaiting()),
             "buffer/trained_total": len(self.store.trained()),
             "buffer/dropped_total": len(self.store.dropped()),
             "buffer/put_per_s": self.put_rate.rate(),
@@ -230,6 +361,7 @@ class BufferLogic:
         if ledger:
             out["ledger"] = {
                 "held": [g.group_id for g in self.store.peek_all()],
+                "awaiting_reward": sorted(self.store.awaiting()),
                 "delivered": sorted(self.store.delivered()),
                 "trained": sorted(self.store.trained()),
                 "dropped": dict(self.store.dropped()),

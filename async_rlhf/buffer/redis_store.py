@@ -3,22 +3,31 @@
 Key layout (``P`` is ``buffer.redis_prefix``; one buffer service writes one prefix)::
 
     P:stream   STREAM  one entry per held or delivered group   g=<group id> v=<min version> n=<samples>
-                       |                                       t=<tokens> d=<msgpack of the wire group>
+                       |                                       t=<tokens>
                        '- consumer group "learners"; its pending-entry list (PEL) says who owns what:
                             consumer "_held"          -> held      (waiting for a learner)
+                            consumer "_awaiting"      -> awaiting_reward (idle time = time since the put)
                             consumer "<learner name>" -> delivered (idle time = time since delivery)
     P:ids      HASH    group id -> stream entry id   (held or delivered; the idempotency index of put)
+    P:data     HASH    group id -> the group's msgpack bytes (kept apart from the entry: a payload passed through
+                       a Lua script is copied twice more, which halved throughput at 256 KB)
     P:deliv    HASH    group id -> "<learner version> <deliveries>"   (set at delivery, kept while held again)
     P:trained  SET     group ids acknowledged: never delivered again
     P:dropped  HASH    group id -> reason
     P:meta     HASH    admission (version, accepted, running) and service counters (c:put, c:trained, ...)
+    P:admits   HASH    admit request id -> "granted version" (the last 4096 grants; a retried admit is answered
+    P:admit_order LIST   from here after a restart too, never granted twice); the list keeps their order
 
 Transitions, each ONE Lua script (atomic; with ``appendfsync always`` durable before the reply)::
 
-    put        XADD P:stream; XREADGROUP into "_held" (the entry enters the PEL); HSET P:ids; HSET P:meta
+    put        HSET P:data (the payloads, idempotent), then the script: per group XADD P:stream; XREADGROUP
+               into "_held" or "_awaiting" (the entry enters the PEL); HSET P:ids; then HSET P:meta
+               (both in one pipeline, one round trip; a batch of groups is one script)
+    reward     HSET P:data (rewarded bytes), then the script: XADD a new entry; XREADGROUP it into "_held";
+               XACK + XDEL the awaiting entry; HSET P:ids
     deliver    XCLAIM <ids> to <learner> JUSTID (idle -> 0); HSET P:deliv; HSET P:meta
-    ack        XACK + XDEL; HDEL P:ids P:deliv; SADD P:trained; HSET P:meta
-    drop       XACK + XDEL; HDEL P:ids P:deliv; HSET P:dropped; HSET P:meta
+    ack        XACK + XDEL; HDEL P:ids P:deliv P:data; SADD P:trained; HSET P:meta
+    drop       XACK + XDEL; HDEL P:ids P:deliv P:data; HSET P:dropped; HSET P:meta
     redeliver  XCLAIM <ids> back to "_held" JUSTID; HSET P:meta
 
 Recovery protocol (service start, e.g. after SIGKILL)::
@@ -27,7 +36,8 @@ Recovery protocol (service start, e.g. after SIGKILL)::
     2. HGETALL P:meta, SMEMBERS P:trained, HGETALL P:dropped, HGETALL P:deliv
     3. XREADGROUP ... ">" into "_held" until empty     (adopts any entry no group read; none is expected)
     4. XRANGE P:stream (paged) for the payloads; XPENDING (paged) for owner and idle time:
-         owner "_held" -> held; any other owner -> delivered to it, delivered at now - idle
+         owner "_held" -> held; "_awaiting" -> awaiting_reward, put at now - idle;
+         any other owner -> delivered to it, delivered at now - idle
     5. serve. A delivered group whose learner never acks is claimed back to "_held" once idle longer
        than buffer.visibility_timeout_s (or at once when its consumer is declared dead) and delivered again;
        an ack that arrives late still counts once (at-least-once delivery + idempotent ack).
@@ -44,9 +54,9 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
-import msgpack
 import redis
 
+from async_rlhf.buffer.redis_scripts import ADMIT, DELIVER, FINISH, META, PUT, REWARD
 from async_rlhf.buffer.store import Delivery, MemoryStore, StoredGroup
 
 log = logging.getLogger(__name__)
@@ -54,56 +64,9 @@ T = TypeVar("T")
 
 GROUP = "learners"
 HELD_CONSUMER = "_held"
+AWAITING_CONSUMER = "_awaiting"
+RESERVED = (HELD_CONSUMER, AWAITING_CONSUMER)
 
-_PUT = """
-local sid = redis.call('HGET', KEYS[2], ARGV[1])
-if sid then return sid end
-sid = redis.call('XADD', KEYS[1], '*', 'g', ARGV[1], 'v', ARGV[2], 'n', ARGV[3], 't', ARGV[4], 'd', ARGV[5])
-redis.call('XREADGROUP', 'GROUP', ARGV[6], ARGV[7], 'COUNT', 1, 'STREAMS', KEYS[1], '>')
-redis.call('HSET', KEYS[2], ARGV[1], sid)
-if #ARGV > 7 then redis.call('HSET', KEYS[3], unpack(ARGV, 8)) end
-return sid
-"""
-
-# ARGV: group, consumer, k, sid_1..sid_k, gid_1..gid_k, deliv_1..deliv_k, meta pairs...
-_DELIVER = """
-local k = tonumber(ARGV[3])
-if k > 0 then
-  local args = {'XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0}
-  for i = 1, k do args[5 + i] = ARGV[3 + i] end
-  args[6 + k] = 'JUSTID'
-  redis.call(unpack(args))  -- (unpack must come last in a call: Lua truncates it to one value otherwise)
-  for i = 1, k do redis.call('HSET', KEYS[2], ARGV[3 + k + i], ARGV[3 + 2 * k + i]) end
-end
-if #ARGV > 3 + 3 * k then redis.call('HSET', KEYS[3], unpack(ARGV, 4 + 3 * k)) end
-return k
-"""
-
-# KEYS: stream, ids, deliv, final (trained set | dropped hash), meta
-# ARGV: group, reason ('' = trained), k, sid_1..sid_k, gid_1..gid_k, meta pairs...
-_FINISH = """
-local k = tonumber(ARGV[3])
-if k > 0 then
-  local sids = {unpack(ARGV, 4, 3 + k)}
-  local gids = {unpack(ARGV, 4 + k, 3 + 2 * k)}
-  redis.call('XACK', KEYS[1], ARGV[1], unpack(sids))
-  redis.call('XDEL', KEYS[1], unpack(sids))
-  redis.call('HDEL', KEYS[2], unpack(gids))
-  redis.call('HDEL', KEYS[3], unpack(gids))
-  if ARGV[2] == '' then
-    redis.call('SADD', KEYS[4], unpack(gids))
-  else
-    for i = 1, k do redis.call('HSET', KEYS[4], gids[i], ARGV[2]) end
-  end
-end
-if #ARGV > 3 + 2 * k then redis.call('HSET', KEYS[5], unpack(ARGV, 4 + 2 * k)) end
-return k
-"""
-
-_META = """
-redis.call('HSET', KEYS[1], unpack(ARGV))
-return 1
-"""
 
 _RETRYABLE = (redis.ConnectionError, redis.TimeoutError)
 
@@ -129,10 +92,14 @@ class RedisStore(MemoryStore):
         p = prefix
         self.k_stream, self.k_ids, self.k_deliv = f"{p}:stream", f"{p}:ids", f"{p}:deliv"
         self.k_trained, self.k_dropped, self.k_meta = f"{p}:trained", f"{p}:dropped", f"{p}:meta"
-        self._put = self.r.register_script(_PUT)
-        self._deliver = self.r.register_script(_DELIVER)
-        self._finish = self.r.register_script(_FINISH)
-        self._meta_script = self.r.register_script(_META)
+        self.k_admits, self.k_admit_order = f"{p}:admits", f"{p}:admit_order"
+        self.k_data = f"{p}:data"
+        self._put = self.r.register_script(PUT)
+        self._reward = self.r.register_script(REWARD)
+        self._deliver = self.r.register_script(DELIVER)
+        self._finish = self.r.register_script(FINISH)
+        self._meta_script = self.r.register_script(META)
+        self._admit = self.r.register_script(ADMIT)
         self._sids: dict[str, str] = {}  # group id -> stream entry id (held or delivered)
         self.retries = 0
         self._retry(self._load)
@@ -191,41 +158,93 @@ class RedisStore(MemoryStore):
             if len(page) < 1000:
                 break
             start = "(" + page[-1]["message_id"].decode()
+        payloads = self._payloads([f[b"g"] for f in entries.values()])
         now = time.time()
         for seq, sid in enumerate(sorted(entries, key=lambda s: tuple(map(int, s.split("-")))), start=1):
             f = entries[sid]
             gid = f[b"g"].decode()
-            group = StoredGroup(gid, int(f[b"v"]), int(f[b"n"]), int(f[b"t"]),
-                                msgpack.unpackb(f[b"d"], raw=False), seq=seq)
+            data = f.get(b"d") or payloads.get(gid)  # "d": an entry written before payloads moved to P:data
+            if data is None:
+                raise RuntimeError(f"Redis prefix {self.prefix}: stream entry {sid} of group {gid} has no payload "
+                                   f"in {self.k_data}; the store was changed outside this service")
+            group = StoredGroup(gid, int(f[b"v"]), int(f[b"n"]), int(f[b"t"]), data, seq=seq)
             version, deliveries = (int(deliv[gid][0]), int(deliv[gid][1])) if gid in deliv else (0, 0)
             group.deliveries = deliveries
             owner, idle_ms = owners.get(sid, (HELD_CONSUMER, 0))
             self._sids[gid] = sid
             if owner == HELD_CONSUMER:
                 self._held[gid] = group
+            elif owner == AWAITING_CONSUMER:
+                group.since = now - idle_ms / 1000
+                self._awaiting[gid] = group
             else:
                 self._delivered[gid] = (group, Delivery(owner, version, now - idle_ms / 1000))
             self._seq = seq
-        log.info("buffer: recovered from Redis %s prefix %s: %d held, %d delivered, %d trained, %d dropped, "
-                 "meta %s", self._safe_url(), self.prefix, len(self._held), len(self._delivered),
+        log.info("buffer: recovered from Redis %s prefix %s: %d held, %d awaiting reward, %d delivered, %d trained, "
+                 "%d dropped, meta %s", self._safe_url(), self.prefix, len(self._held), len(self._awaiting),
+                 len(self._delivered),
                  len(self._trained), len(self._dropped), self._meta)
 
+    def _payloads(self, gids: list[bytes]) -> dict[str, bytes]:
+        """The stored payloads of these groups; payloads of no group (a put cut short) are deleted."""
+        out: dict[str, bytes] = {}
+        for i in range(0, len(gids), 256):
+            page = gids[i:i + 256]
+            for gid, data in zip(page, self.r.hmget(self.k_data, page), strict=True):
+                if data is not None:
+                    out[gid.decode()] = data
+        orphans = set(self.r.hkeys(self.k_data)) - set(gids)
+        if orphans:
+            log.info("buffer: dropping %d payloads whose put never completed", len(orphans))
+            self.r.hdel(self.k_data, *orphans)
+        return out
+
     # -- transitions: Redis first (atomic, durable), then the mirror -------------------------
-    def put(self, group: StoredGroup, meta: Mapping[str, int] | None = None) -> bool:
-        if self.state(group.group_id) is not None:
+    def put(self, group: StoredGroup, meta: Mapping[str, int] | None = None, *, awaiting: bool = False) -> bool:
+        return self.put_many([group], meta, awaiting=awaiting)[0]
+
+    def put_many(self, groups: list[StoredGroup], meta: Mapping[str, int] | None = None, *,
+                 awaiting: bool = False) -> list[bool]:
+        fresh = [g for g in groups if self.state(g.group_id) is None]
+        fields: list[Any] = []
+        for g in fresh:
+            fields += [g.group_id, g.min_version, g.num_samples, g.num_tokens]
+        consumer = AWAITING_CONSUMER if awaiting else HELD_CONSUMER
+
+        def put() -> list[Any]:  # payloads, then the entries: one round trip, and safe to repeat
+            pipe = self.r.pipeline(transaction=False)
+            if fresh:
+                pipe.hset(self.k_data, mapping={g.group_id: g.data for g in fresh})
+            self._put([self.k_stream, self.k_ids, self.k_meta], [GROUP, consumer, len(fresh), *fields,
+                                                                 *_pairs(meta)], client=pipe)
+            return pipe.execute()[-1]
+
+        sids = self._retry(put)
+        for g, sid in zip(fresh, sids, strict=True):
+            self._sids[g.group_id] = sid.decode() if isinstance(sid, bytes) else str(sid)
+        return super().put_many(groups, meta, awaiting=awaiting)
+
+    def reward(self, group_id: str, data: bytes, meta: Mapping[str, int] | None = None) -> bool:
+        g = self._awaiting.get(group_id)
+        if g is None:
             return False
-        data = msgpack.packb(group.wire, use_bin_type=True)
-        sid = self._retry(self._put, [self.k_stream, self.k_ids, self.k_meta],
-                          [group.group_id, group.min_version, group.num_samples, group.num_tokens, data,
-                           GROUP, HELD_CONSUMER, *_pairs(meta)])
-        self._sids[group.group_id] = sid.decode() if isinstance(sid, bytes) else str(sid)
-        return super().put(group, meta)
+        def reward() -> Any:
+            pipe = self.r.pipeline(transaction=False)
+            pipe.hset(self.k_data, group_id, data)
+            self._reward([self.k_stream, self.k_ids, self.k_meta],
+                         [GROUP, group_id, self._sids[group_id], g.min_version, g.num_samples, g.num_tokens,
+                          *_pairs(meta)], client=pipe)
+            return pipe.execute()[-1]
+
+        sid = self._retry(reward)
+        self._sids[group_id] = sid.decode() if isinstance(sid, bytes) else str(sid)
+        return super().reward(group_id, data, meta)
 
     def deliver(self, group_ids: list[str], consumer: str, version: int,
                 meta: Mapping[str, int] | None = None) -> list[StoredGroup]:
         gids = [g for g in group_ids if g in self._held]
-        if consumer == HELD_CONSUMER:
-            raise ValueError(f"consumer name {HELD_CONSUMER!r} is reserved")
+        if consumer in RESERVED:
+            raise ValueError(f"consumer names {RESERVED} are reserved")
         sids = [self._sids[g] for g in gids]
         deliv = [f"{version} {self._held[g].deliveries + 1}" for g in gids]
         self._retry(self._deliver, [self.k_stream, self.k_deliv, self.k_meta],
@@ -235,7 +254,7 @@ class RedisStore(MemoryStore):
     def _finish_ids(self, gids: list[str], reason: str, meta: Mapping[str, int] | None) -> None:
         final = self.k_dropped if reason else self.k_trained
         sids = [self._sids[g] for g in gids]
-        self._retry(self._finish, [self.k_stream, self.k_ids, self.k_deliv, final, self.k_meta],
+        self._retry(self._finish, [self.k_stream, self.k_ids, self.k_deliv, final, self.k_meta, self.k_data],
                     [GROUP, reason, len(gids), *sids, *gids, *_pairs(meta)])
         for g in gids:
             self._sids.pop(g, None)
@@ -249,7 +268,8 @@ class RedisStore(MemoryStore):
     def drop(self, group_ids: list[str], reason: str, meta: Mapping[str, int] | None = None) -> list[str]:
         if not reason:
             raise ValueError("a drop needs a reason")
-        gids = [g for g in dict.fromkeys(group_ids) if g in self._held or g in self._delivered]
+        gids = [g for g in dict.fromkeys(group_ids)
+                if g in self._held or g in self._delivered or g in self._awaiting]
         self._finish_ids(gids, reason, meta)
         return super().drop(gids, reason, meta)
 
@@ -260,6 +280,20 @@ class RedisStore(MemoryStore):
         self._retry(self._deliver, [self.k_stream, self.k_deliv, self.k_meta],
                     [GROUP, HELD_CONSUMER, len(gids), *sids, *gids, *deliv, *_pairs(meta)])
         return super().redeliver(gids, meta)
+
+    def save_admit(self, request_id: str, granted: int, version: int, keep: int, meta: Mapping[str, int]) -> None:
+        self._retry(self._admit, [self.k_admits, self.k_admit_order, self.k_meta],
+                    [request_id, f"{granted} {version}", keep, *_pairs(meta)])
+        super().save_admit(request_id, granted, version, keep, meta)
+
+    def admits(self) -> dict[str, tuple[int, int]]:
+        answers = self.r.hgetall(self.k_admits)
+        out: dict[str, tuple[int, int]] = {}
+        for rid in reversed(self.r.lrange(self.k_admit_order, 0, -1)):
+            if rid in answers:
+                granted, version = answers[rid].split()
+                out[rid.decode()] = (int(granted), int(version))
+        return out
 
     def save_meta(self, meta: Mapping[str, int]) -> None:
         if meta:
@@ -275,7 +309,8 @@ class RedisStore(MemoryStore):
 
     def wipe(self) -> None:
         """Delete every key of this prefix (tests and benchmarks)."""
-        self.r.delete(self.k_stream, self.k_ids, self.k_deliv, self.k_trained, self.k_dropped, self.k_meta)
+        self.r.delete(self.k_stream, self.k_ids, self.k_deliv, self.k_trained, self.k_dropped, self.k_meta,
+                      self.k_admits, self.k_admit_order, self.k_data)
         self._load()
 
     def close(self) -> None:

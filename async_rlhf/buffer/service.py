@@ -6,7 +6,17 @@
                                               |  store, ledger |
                                               +----------------+
 
-Every request carries ``req_id``; the reply echoes it. ``get`` is a long poll: the service parks it
+Frames (after the ROUTER identity)::
+
+    request   [msgpack request]                       every kind; a put carries one group map ("group") or
+                                                      a list of groups' msgpack bytes ("groups"): small batches
+              [put parts=k, rewards_pending] [g1]..[gk]   or k groups as frames (batches with a large group)
+    reply     [msgpack reply]                         a get with as_bytes: ids=[...] and groups=[bytes...], or
+              [reply ids=[...] parts=k] [g1]..[gk]     parts=k frames (large groups are never copied)
+
+Every request carries ``req_id``; the reply echoes it. A put answers for each group ``ok``, ``duplicate``
+(its id is known in any state: a retried put is harmless) or ``full``; an ``admit`` may carry a
+``request_id`` that makes its retry return the first answer. ``get`` is a long poll: the service parks it
 until enough fresh groups are held or its ``wait_s`` passes (then it answers with what it has, possibly
 nothing). ``get`` and ``ack`` name a ``consumer`` (the learner); a group delivered to a consumer that does
 not ack within ``visibility_timeout_s``, or whose consumer is declared dead (``release`` with a
@@ -27,9 +37,11 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import msgpack
 import zmq
 
 from async_rlhf.buffer.curve import LOOPBACK, CurveServerKeys, secure_server
+from async_rlhf.buffer.frames import as_frames, frames_as_buffers
 from async_rlhf.buffer.logic import BufferLogic
 from async_rlhf.wire import WireError, decode, encode
 
@@ -38,6 +50,7 @@ log = logging.getLogger(__name__)
 __all__ = ["BufferLogic", "BufferService", "PendingGet"]
 
 TICK_S = 0.2
+BURST_S = 0.01
 MAX_CONSUMER_NAME = 200
 
 
@@ -50,6 +63,9 @@ class PendingGet:
     deadline: float
     consumer: str
     t_recv: float
+    at_least: int | None = None
+    as_bytes: bool = False
+    """Answer with each group's msgpack bytes as stored (the current client) instead of decoded maps."""
 
 
 def _consumer(msg: dict[str, Any]) -> str:
@@ -114,8 +130,12 @@ class BufferService:
         with self._lock:
             return fn(*args)
 
-    def _reply(self, identity: bytes, kind: str, req_id: Any, **fields: Any) -> None:
-        self._sock.send_multipart([identity, encode(kind, req_id=req_id, **fields)])
+    def _reply(self, identity: bytes, kind: str, req_id: Any, parts: list[bytes] | None = None,
+               **fields: Any) -> None:
+        """One reply frame, then ``parts`` (group bytes sent as they are stored, without copying)."""
+        header = encode(kind, req_id=req_id, **fields, **({"parts": len(parts)} if parts else {}))
+        # copy=False: pyzmq still copies frames below its threshold (64 KB), larger ones are sent from our memory
+        self._sock.send_multipart([identity, header, *(parts or [])], copy=False)
 
     def _serve(self) -> None:
         poller = zmq.Poller()
@@ -124,9 +144,12 @@ class BufferService:
         while not self._stop.is_set():
             try:
                 if poller.poll(timeout=5):
+                    burst_end = time.monotonic() + BURST_S
                     for _ in range(256):  # drain a burst before looking at parked gets
+                        if time.monotonic() > burst_end:
+                            break  # big puts pouring in must not starve the learners' parked gets
                         try:
-                            frames = self._sock.recv_multipart(zmq.NOBLOCK)
+                            frames = frames_as_buffers(self._sock.recv_multipart(zmq.NOBLOCK, copy=False))
                         except zmq.Again:
                             break
                         with self._lock:
@@ -142,20 +165,22 @@ class BufferService:
                 time.sleep(0.05)
         self._sock.close(0)
 
-    def _handle(self, frames: list[bytes]) -> None:
+    def _handle(self, frames: list[Any]) -> None:
         t0 = time.perf_counter()
-        if len(frames) != 2:
+        if len(frames) < 2:
             self.logic.rejects["malformed"] += 1
             log.warning("buffer: rejected a request of %d frames (expected 1 after the identity)", len(frames) - 1)
             if frames:
                 self._reply(frames[0], "error", None, reason="malformed", detail="send exactly one frame")
             return
-        identity, frame = frames
+        identity, frame, parts = bytes(frames[0]), frames[1], frames[2:]
         req_id = None
         try:
             msg = decode(frame, self.max_bytes)
             req_id = msg.get("req_id")
-            kind = self._dispatch(identity, msg, t0)
+            if parts:
+                _check_parts(msg, parts, self.max_bytes)
+            kind = self._dispatch(identity, msg, t0, parts)
             if kind != "get":
                 self.logic.record_latency(kind, time.perf_counter() - t0)
         except WireError as exc:
@@ -171,19 +196,25 @@ class BufferService:
             log.exception("buffer: failed to handle a request")
             self._reply(identity, "error", req_id, reason="internal", detail=repr(exc))
 
-    def _dispatch(self, identity: bytes, msg: dict[str, Any], t_recv: float) -> str:
+    def _dispatch(self, identity: bytes, msg: dict[str, Any], t_recv: float, parts: list[bytes]) -> str:
         kind, req_id, logic = msg["kind"], msg.get("req_id"), self.logic
         if kind == "get":
+            if msg.get("ack"):  # the previous batch's ack rides on the next get: one round trip per batch
+                logic.ack(list(msg["ack"]))
             wait_s = float(msg.get("wait_s", 0.0))
             wait_s = min(wait_s, 60.0) if math.isfinite(wait_s) and wait_s > 0 else 0.0
             self._pending.append(PendingGet(identity, req_id, _count(msg, "n"), _count(msg, "version"),
-                                            time.monotonic() + wait_s, _consumer(msg), t_recv))
+                                            time.monotonic() + wait_s, _consumer(msg), t_recv,
+                                            _count(msg, "at_least") if "at_least" in msg else None,
+                                            msg.get("as_bytes") is True))
             self._serve_pending()
             return kind
         if kind == "admit":
-            out = logic.admit(_count(msg, "want"))
+            out = logic.admit(_count(msg, "want"), _request_id(msg))
         elif kind == "put":
-            out = logic.put(msg.get("group"))
+            out = self._put(msg, parts)
+        elif kind == "reward":
+            out = logic.reward(msg.get("group_id"), msg.get("rewards"))
         elif kind == "release":
             consumer = msg.get("consumer")
             out = logic.release(_count(msg, "n"), _consumer(msg) if consumer is not None else None)
@@ -199,25 +230,66 @@ class BufferService:
         self._reply(identity, "reply", req_id, **out)
         return kind
 
+    def _put(self, msg: dict[str, Any], parts: list[bytes]) -> dict[str, Any]:
+        """One group as a map (``group``), or many as msgpack bytes (``groups``, or frames after the request):
+        one status per group. A batch is checked whole before anything is stored: one malformed group
+        refuses the request.
+        """
+        pending = msg.get("rewards_pending", False)
+        if not isinstance(pending, bool):
+            raise WireError("malformed", "rewards_pending must be true or false")
+        if parts:
+            return {"status": self.logic.put_many(parts, pending)}
+        if "groups" not in msg:
+            return self.logic.put(msg.get("group"), pending)
+        groups = msg["groups"]
+        if not isinstance(groups, list) or not groups or not all(isinstance(g, bytes) for g in groups):
+            raise WireError("malformed", "groups must be a non-empty list of msgpack-encoded groups (bytes)")
+        return {"status": self.logic.put_many(groups, pending)}
+
     def _serve_pending(self) -> None:
         if not self._pending:
             return
         now, still = time.monotonic(), []
         for p in self._pending:
             t0 = time.perf_counter()
-            groups = self.logic.try_get(p.n, p.version, p.consumer)
-            if groups is not None:
-                self._reply(p.identity, "reply", p.req_id, groups=groups)
+            taken = self.logic.take(p.n, p.version, p.consumer, p.at_least)
+            if taken is not None:
+                if p.as_bytes:  # the stored bytes, inline or as frames; the ids let a consumer ack without decoding
+                    datas, ids = [g.data for g in taken], [g.group_id for g in taken]
+                    if as_frames(datas):
+                        self._reply(p.identity, "reply", p.req_id, datas, ids=ids)
+                    else:
+                        self._reply(p.identity, "reply", p.req_id, groups=datas, ids=ids)
+                else:
+                    self._reply(p.identity, "reply", p.req_id, groups=[msgpack.unpackb(g.data) for g in taken])
                 # handling time of the call that answered (a parked get's wait is not service latency)
                 self.logic.record_latency("get", time.perf_counter() - t0)
             elif now >= p.deadline:
-                self._reply(p.identity, "reply", p.req_id, groups=[])
+                self._reply(p.identity, "reply", p.req_id, groups=[], ids=[])
             else:
                 still.append(p)
         self._pending = still
 
 
 MAX_COUNT = 1 << 40  # far above any real version or group count, far below what msgpack's int64 overflows at
+
+
+def _check_parts(msg: dict[str, Any], parts: list[bytes], max_bytes: int) -> None:
+    """Frames after the request are allowed only as the groups of a put that announces their number."""
+    if msg.get("kind") != "put" or msg.get("parts") != len(parts):
+        raise WireError("malformed", f"send exactly one frame (or a put with parts={len(parts)} and "
+                                     f"{len(parts)} group frames)")
+    total = sum(len(p) for p in parts)
+    if total > max_bytes:
+        raise WireError("oversized", f"{total} bytes of groups exceed the limit of {max_bytes}")
+
+
+def _request_id(msg: dict[str, Any]) -> str | None:
+    rid = msg.get("request_id")
+    if rid is not None and (not isinstance(rid, str) or not 0 < len(rid) <= MAX_CONSUMER_NAME):
+        raise WireError("malformed", f"request_id must be a string of 1-{MAX_CONSUMER_NAME} characters")
+    return rid
 
 
 def _count(msg: dict[str, Any], key: str) -> int:

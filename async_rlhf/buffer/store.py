@@ -2,13 +2,19 @@ r"""Where the buffer keeps prompt groups and the ledger of what became of them. 
 
 Every group id is, at any time, in exactly one state, and the store owns that state machine::
 
-             put                 deliver(consumer)            ack
-    (new) --------> held -------------------------> delivered -----> trained   (final: never delivered again)
-                     ^  \                              |  |
-                     |   \ drop(reason)   redeliver    |  | drop(reason)
-                     |    '---------> dropped <--------|--'          (final, with a reason)
-                     '---------------------------------'
-                       visibility timeout / consumer declared dead
+      put(awaiting)              reward
+    (new) ------> awaiting_reward -------.
+      |              |                    v
+      |  put         | drop(reward_timeout)         deliver(consumer)            ack
+      '--------------|------------------> held -------------------------> delivered -----> trained   (final)
+                     |                     ^  \                              |  |
+                     |                     |   \ drop(reason)   redeliver    |  | drop(reason)
+                     '---------------------|----'---------> dropped <--------|--'          (final, with a reason)
+                                           '---------------------------------'
+                                             visibility timeout / consumer declared dead
+
+A group put with ``rewards_pending`` waits in ``awaiting_reward`` (complete, never delivered) until its
+rewards arrive or ``buffer.reward_deadline_s`` passes.
 
 Each transition is one call, and it carries ``meta``: the absolute values of the admission and service
 counters after the transition. The memory store keeps them in a dict; the Redis store
@@ -24,7 +30,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgpack
+
 HELD, DELIVERED, TRAINED, DROPPED = "held", "delivered", "trained", "dropped"
+AWAITING = "awaiting_reward"
 
 
 @dataclass
@@ -33,11 +42,20 @@ class StoredGroup:
     min_version: int
     num_samples: int
     num_tokens: int
-    wire: dict[str, Any]
+    data: bytes | memoryview
+    """The group's msgpack bytes exactly as a generator sent them (validated); learners receive these bytes.
+    A large group is a view of the received ZeroMQ frame (no copy)."""
     seq: int = 0
     """Arrival order (FIFO key); a redelivered group keeps its place at the front."""
     deliveries: int = 0
     """How many times it was handed to a learner (a late ack is accepted once this is above 0)."""
+    since: float = field(default_factory=time.time)
+    """Wall-clock time it entered the store (an awaiting group's reward deadline counts from it)."""
+
+    @property
+    def wire(self) -> dict[str, Any]:
+        """The decoded wire map (for tools and tests; the service passes ``data`` along untouched)."""
+        return msgpack.unpackb(self.data, raw=False)
 
 
 @dataclass
@@ -56,16 +74,23 @@ class MemoryStore:
 
     def __init__(self) -> None:
         self._held: dict[str, StoredGroup] = {}
+        self._awaiting: dict[str, StoredGroup] = {}
         self._delivered: dict[str, tuple[StoredGroup, Delivery]] = {}
         self._trained: set[str] = set()
         self._dropped: dict[str, str] = {}
         self._meta: dict[str, int] = {}
         self._seq = 0
+        self._in_order = True
+        """The held dict iterates in arrival (seq) order: FIFO can take its first n without sorting."""
+        self._floor: int | None = None
+        """A lower bound of the held groups' min versions (None: unknown); spares the staleness scan."""
 
     # -- reads ------------------------------------------------------------------------------
     def state(self, group_id: str) -> str | None:
         if group_id in self._held:
             return HELD
+        if group_id in self._awaiting:
+            return AWAITING
         if group_id in self._delivered:
             return DELIVERED
         if group_id in self._trained:
@@ -82,8 +107,36 @@ class MemoryStore:
         """Held groups, unordered (cheap)."""
         return self._held.values()
 
+    def held_ids(self) -> Iterable[str]:
+        """Held group ids, in the order :meth:`held` iterates."""
+        return self._held.keys()
+
+    def held_in_order(self) -> bool:
+        """True when :meth:`held` iterates oldest arrival first (no redelivered group is back in it)."""
+        if not self._held:
+            self._in_order = True
+        return self._in_order
+
+    def held_floor(self) -> int | None:
+        """No held group has a min version below this (None: unknown, scan them)."""
+        return self._floor
+
+    def set_held_floor(self, floor: int | None) -> None:
+        self._floor = floor
+
+    def _hold(self, group: StoredGroup) -> None:
+        if self._held and group.seq < self._seq:
+            self._in_order = False
+        self._held[group.group_id] = group
+        if self._floor is not None and group.min_version < self._floor:
+            self._floor = group.min_version
+
     def get_held(self, group_id: str) -> StoredGroup | None:
         return self._held.get(group_id)
+
+    def awaiting(self) -> dict[str, StoredGroup]:
+        """Groups put with their rewards pending, by id."""
+        return self._awaiting
 
     def delivered(self) -> dict[str, Delivery]:
         return {gid: d for gid, (_, d) in self._delivered.items()}
@@ -104,14 +157,35 @@ class MemoryStore:
         return len(self._held)
 
     # -- transitions ------------------------------------------------------------------------
-    def put(self, group: StoredGroup, meta: Mapping[str, int] | None = None) -> bool:
-        """new -> held; False (and nothing changes) when the id is known in any state."""
+    def put(self, group: StoredGroup, meta: Mapping[str, int] | None = None, *, awaiting: bool = False) -> bool:
+        """new -> held (or awaiting_reward); False (and nothing changes) when the id is known in any state."""
         if self.state(group.group_id) is not None:
             return False
         self._seq += 1
         group.seq = group.seq or self._seq
+        if awaiting:
+            self._awaiting[group.group_id] = group
+        else:
+            self._hold(group)
         self._seq = max(self._seq, group.seq)
-        self._held[group.group_id] = group
+        self._save(meta)
+        return True
+
+    def put_many(self, groups: list[StoredGroup], meta: Mapping[str, int] | None = None, *,
+                 awaiting: bool = False) -> list[bool]:
+        """:meth:`put` of several groups in one transition (one Redis round trip for the durable store)."""
+        out = [MemoryStore.put(self, g, None, awaiting=awaiting) for g in groups]  # the mirror, not a subclass
+        self._save(meta)
+        return out
+
+    def reward(self, group_id: str, data: bytes, meta: Mapping[str, int] | None = None) -> bool:
+        """awaiting_reward -> held with the rewarded bytes; it queues as if it arrived now."""
+        group = self._awaiting.pop(group_id, None)
+        if group is None:
+            return False
+        self._seq += 1
+        group.data, group.seq = data, self._seq
+        self._hold(group)
         self._save(meta)
         return True
 
@@ -146,10 +220,11 @@ class MemoryStore:
         return moved
 
     def drop(self, group_ids: list[str], reason: str, meta: Mapping[str, int] | None = None) -> list[str]:
-        """held or delivered -> dropped with ``reason``; returns the ids that moved."""
+        """held, awaiting_reward or delivered -> dropped with ``reason``; returns the ids that moved."""
         moved = []
         for gid in group_ids:
-            if self._held.pop(gid, None) is None and self._delivered.pop(gid, None) is None:
+            if (self._held.pop(gid, None) is None and self._delivered.pop(gid, None) is None
+                    and self._awaiting.pop(gid, None) is None):
                 continue
             self._dropped[gid] = reason
             moved.append(gid)
@@ -163,13 +238,21 @@ class MemoryStore:
             entry = self._delivered.pop(gid, None)
             if entry is None:
                 continue
-            self._held[gid] = entry[0]
+            self._hold(entry[0])
             moved.append(gid)
         self._save(meta)
         return moved
 
     def save_meta(self, meta: Mapping[str, int]) -> None:
         self._save(meta)
+
+    def save_admit(self, request_id: str, granted: int, version: int, keep: int, meta: Mapping[str, int]) -> None:
+        """Remember the answer to admit ``request_id`` (the last ``keep`` of them) with the counters."""
+        self._save(meta)
+
+    def admits(self) -> dict[str, tuple[int, int]]:
+        """Remembered admit answers, oldest first: request id -> (granted, version). Memory: none survive."""
+        return {}
 
     def _save(self, meta: Mapping[str, int] | None) -> None:
         if meta:

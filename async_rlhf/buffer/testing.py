@@ -191,7 +191,7 @@ class Learner(threading.Thread):
 
 def assert_exactly_once(ledger: dict[str, Any], produced: set[str]) -> None:
     """Every produced id is trained exactly once or dropped with a reason; nothing else is in the ledger."""
-    held, delivered = set(ledger["held"]), set(ledger["delivered"])
+    held, delivered = set(ledger["held"]) | set(ledger.get("awaiting_reward", [])), set(ledger["delivered"])
     trained, dropped = ledger["trained"], ledger["dropped"]
     assert not held and not delivered, f"left in the buffer: held {sorted(held)[:5]} delivered {sorted(delivered)[:5]}"
     assert len(trained) == len(set(trained)), "an id is recorded as trained twice"

@@ -1,1 +1,2 @@
-"""Verifiable environments: prompts, held-out splits and binary rewards computed from the completion text."""
+"""Environments: how a prompt becomes a scored trajectory (``base``: the single- and multi-turn interface;
+``arithmetic``: the addition task; ``guess_number``: a multi-turn task; ``registry``: selection by config)."""

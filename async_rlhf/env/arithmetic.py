@@ -17,6 +17,8 @@ import random
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from async_rlhf.env.base import Prompt, SingleTurnEnv
+
 
 @dataclass(frozen=True)
 class Problem:
@@ -26,7 +28,7 @@ class Problem:
     answer: str
 
 
-def _leading_digits(text: str) -> str:
+def leading_digits(text: str) -> str:
     text = text.lstrip()
     end = 0
     while end < len(text) and text[end] in "0123456789":
@@ -36,7 +38,7 @@ def _leading_digits(text: str) -> str:
 
 def score_completion(problem: Problem, completion_text: str) -> float:
     """The reward rule of the module docstring; needs no task instance."""
-    return 1.0 if _leading_digits(completion_text) == problem.answer else 0.0
+    return 1.0 if leading_digits(completion_text) == problem.answer else 0.0
 
 
 class AdditionTask:
@@ -108,3 +110,36 @@ class AdditionTask:
     @property
     def max_answer_chars(self) -> int:
         return self.digits + 1
+
+
+class AdditionEnv(SingleTurnEnv):
+    """The addition task as an environment: its problems as prompts, its exact-answer rule as verifier."""
+
+    name = "addition"
+
+    def __init__(self, task: AdditionTask) -> None:
+        self.task = task
+
+    @staticmethod
+    def to_prompt(problem: Problem) -> Prompt:
+        return Prompt(problem.prompt, {"a": problem.a, "b": problem.b, "answer": problem.answer})
+
+    def train_prompts(self, seed: int) -> Iterator[Prompt]:
+        return (self.to_prompt(p) for p in self.task.train_problems(seed))
+
+    def verify(self, prompt: Prompt, completion: str) -> float:
+        return 1.0 if leading_digits(completion) == str(prompt.data["answer"]) else 0.0
+
+    def heldout(self) -> list[Prompt]:
+        return [self.to_prompt(p) for p in self.task.heldout()]
+
+
+class RewardModelEnv(AdditionEnv):
+    """Addition prompts scored by a reward model (``rewards.sources=model``); the exact-answer rule is kept
+    for the held-out evaluation only, so the reward the policy trains on is the model's alone."""
+
+    name = "reward_model"
+
+    @property
+    def has_verifier(self) -> bool:
+        return False

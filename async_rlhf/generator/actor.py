@@ -3,20 +3,27 @@
     loop (one thread; Ray calls such as request_update/stats run on other threads and only set flags)
     +-> weight update pending?  in_flight: load now, between two engine steps
     |                           drain: stop admitting, load once nothing is in flight
-    |   fewer than groups_in_flight groups?  ask the buffer to admit more (staleness rule)
+    |   fewer than groups_in_flight groups?  prompts ready? ask the buffer to admit more (staleness rule)
     |   held-out eval due (generator 0)?     add greedy requests to the same engine
     |   engine.step()  ->  new tokens, stamped with the version being served
-    |   a group finished?  reward it, put it to the buffer
+    |   pump the event loop: environment coroutines resume (next turn, observation), finished groups are
+    |   rewarded and put; slow rewards are awaited there while the engine keeps stepping
     +-- nothing in flight?  wait a little (counted as waiting for admission)
 
 The vLLM engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so a version swap is a
 plain call between two steps and tokens before and after it carry different versions.
+
+Environments are coroutines (``async_rlhf.env.base``) on an asyncio loop owned by this thread and run in
+small slices between engine steps (``GroupRunner.pump`` in ``generator/groups.py``). A group is put to the
+buffer as soon as its trajectories are done: with its rewards when every reward source is immediate (a
+verifier), otherwise at once with ``rewards_pending`` and its rewards sent later (``client.reward``) by a task
+that awaits the sources. A reward that fails or times out is counted and never stops the loop; the buffer
+drops that group after ``buffer.reward_deadline_s`` with reason ``reward_timeout``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import threading
 import time
@@ -24,10 +31,12 @@ import uuid
 from typing import Any
 
 from async_rlhf.buffer.build import make_client
-from async_rlhf.buffer.client import BufferClient, with_retry
+from async_rlhf.buffer.client import with_retry
 from async_rlhf.config import Config
-from async_rlhf.env.registry import make_task
-from async_rlhf.generator.rollout import GroupInProgress, RolloutTracker
+from async_rlhf.env.registry import make_env
+from async_rlhf.generator.groups import GroupRunner
+from async_rlhf.generator.rollout import EnginePolicy
+from async_rlhf.generator.stream import PromptStream, group_id
 from async_rlhf.timeline import Timeline
 
 log = logging.getLogger(__name__)
@@ -55,16 +64,24 @@ class GeneratorActor:
         )
         self.engine = self.llm.llm_engine
         self.tokenizer = load_tokenizer(model_path)
-        self.task = make_task(cfg.task)
+        self.env = make_env(cfg.task)
+        self.policy = EnginePolicy(self._add_turn_request, self._encode, self._decode,
+                                   cfg.generator.max_new_tokens, cfg.model.max_model_len)
+        self._sampling: dict[int, Any] = {}
+        self._groups: dict[str, Any] = {}
+        """Prompt groups admitted and not yet put (``GroupRunner.groups`` while the loop runs)."""
         self.version = 0
         self._lock = threading.Lock()
         self._pending_version: int | None = None
         self._stop = threading.Event()
+        self._draining = threading.Event()
         self._running = threading.Event()
+        self._resume: dict[str, Any] = {}
+        self._position = 0
         self._run_tag = uuid.uuid4().hex[:6]
         self.counters: dict[str, float] = {
             "tokens": 0, "groups": 0, "samples": 0, "reward_sum": 0.0, "reward_errors": 0, "updates": 0,
-            "update_failures": 0,
+            "update_failures": 0, "reward_timeouts": 0, "rewards_late": 0, "env_errors": 0,
         }
         self.timeline = Timeline(f"generator {gen_id}")
         self.produced: list[str] = []
@@ -72,8 +89,8 @@ class GeneratorActor:
         self.evals: list[dict[str, float]] = []
         self._in_flight = 0
         # held-out prompts are fixed: tokenize them once, not at every evaluation
-        self._heldout = self.task.heldout()
-        self._heldout_ids = [self.tokenizer(p.prompt, add_special_tokens=False)["input_ids"] for p in self._heldout]
+        self._heldout = self.env.heldout()
+        self._heldout_ids = [self._encode(p.text) for p in self._heldout]
 
     # -- control, called from other threads --------------------------------------------------
     def ready(self) -> int:
@@ -91,16 +108,32 @@ class GeneratorActor:
             self.llm.collective_rpc("join_push_group", args=(self.cfg.sync.timeout_s,))
 
     def request_update(self, version: int) -> None:
-        """Learner rank 0 is about to push ``version``; the loop joins the broadcast at a step boundary."""
+        """Learner rank 0 is about to push ``version``; the loop starts receiving it in the background."""
         with self._lock:
             self._pending_version = version
 
-    def stop(self) -> None:
-        self._stop.set()
+    def stop(self, drain: bool = False) -> None:
+        """End the loop; with ``drain``, admit nothing more and end once every group in flight is put."""
+        (self._draining if drain else self._stop).set()
+
+    def resume_stream(self, position: int, reissue: list[int], skip: list[int], version: int | None = None) -> None:
+        """Before run(): continue the prompt stream after ``position``, re-issuing ``reissue`` first;
+        ``version``: the version of the weights this engine was started from (a resumed checkpoint)."""
+        self._resume = {"start": int(position), "reissue": list(reissue), "skip": list(skip)}
+        self._position = int(position)
+        if version is not None:
+            with self._lock:
+                self.version = int(version)
+
+    def pid(self) -> int:
+        import os
+
+        return os.getpid()
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
             return {"gen_id": self.gen_id, "version": self.version, "in_flight": self._in_flight,
+                    "position": self._position,
                     **self.counters, "evals": list(self.evals),
                     **{f"time/{k}_s": v for k, v in self.timeline.totals().items()}}
 
@@ -121,29 +154,44 @@ class GeneratorActor:
         gen_cfg = cfg.generator
         client = make_client(cfg, self.buffer_address, consumer=f"generator-{self.gen_id}")
         patience = cfg.buffer.redis_retry_s + cfg.buffer.request_timeout_s
-        sample_params = SamplingParams(
-            max_tokens=gen_cfg.max_new_tokens, temperature=gen_cfg.temperature, logprobs=0,
-            output_kind=RequestOutputKind.DELTA,
-        )
+        self._sampling = {n: SamplingParams(max_tokens=n, temperature=gen_cfg.temperature, logprobs=0,
+                                            output_kind=RequestOutputKind.DELTA)
+                          for n in range(1, gen_cfg.max_new_tokens + 1)}
+        from async_rlhf.prompts.build import make_prompts
+        from async_rlhf.rewards.build import make_rewards
+
+        seed = cfg.train.seed * 7919 + self.gen_id
+        source = make_prompts(cfg, self.env, seed, consumer=f"generator-{self.gen_id}")
+        rewards = make_rewards(cfg, self.env)
+        runner = GroupRunner(self.env, rewards, self.policy, client, group_size=cfg.train.group_size,
+                             reward_timeout_s=cfg.rewards.timeout_s, patience_s=patience, generator=self.gen_id,
+                             current_version=lambda: self.version, record=self._record,
+                             on_reward_phase=lambda: self.timeline.enter("reward_and_put"))
+        self._groups = runner.groups
         eval_params = SamplingParams(max_tokens=gen_cfg.max_new_tokens, temperature=0.0,
                                      output_kind=RequestOutputKind.FINAL_ONLY)
-        problems = self.task.train_problems(seed=cfg.train.seed * 7919 + self.gen_id)
-        tracker = RolloutTracker()
+        problems = PromptStream(source, **self._resume)
         eval_out: dict[str, str] = {}
         eval_version = -1
         eval_pending = 0
-        seq = 0
         last_refused = 0.0
         self._running.set()
         try:
-            while not self._stop.is_set():
-                # 1) weight update at a step boundary
+            while not self._stop.is_set() and not (self._draining.is_set() and len(self._groups) == 0):
+                # 1) weight update: received on a worker thread while the engine keeps generating, swapped
+                #    in at a step boundary (in_flight) or once nothing is in flight (drain)
                 with self._lock:
                     pending = self._pending_version
                 drain = gen_cfg.update_mode == "drain"
-                if pending is not None and eval_pending == 0 and (not drain or len(tracker) == 0):
-                    self._load_version(pending)
-                    continue
+                if pending is not None:
+                    staged = self.llm.collective_rpc("stage_update", kwargs={"timeout_s": self.cfg.sync.timeout_s})[0]
+                    if staged and eval_pending == 0 and (not drain or len(self._groups) == 0):
+                        self._load_version(pending)
+                        continue
+                    if pending < 0:  # a late joiner serves nothing before its first version
+                        self.timeline.enter("paused_for_push")
+                        time.sleep(0.002)
+                        continue
                 # 2) held-out eval on generator 0 when its version reaches a multiple of eval_every
                 if (self.gen_id == 0 and gen_cfg.eval_every and eval_pending == 0
                         and self.version % gen_cfg.eval_every == 0 and self.version != eval_version):
@@ -152,27 +200,30 @@ class GeneratorActor:
                         self.engine.add_request(f"{EVAL_PREFIX}{i}", {"prompt_token_ids": ids}, eval_params)
                         eval_pending += 1
                 # 3) admission
-                want = gen_cfg.groups_in_flight - len(tracker)
-                if want > 0 and not (pending is not None and drain) and time.monotonic() - last_refused > 0.005:
-                    granted, _ = with_retry(lambda: client.admit(want), "admit", patience)
-                    if granted < want:
+                want = gen_cfg.groups_in_flight - len(self._groups)
+                if (want > 0 and not (pending is not None and drain) and not self._draining.is_set()
+                        and time.monotonic() - last_refused > 0.005):
+                    want = min(want, problems.reissue_left + source.prefetch(want))  # prompts ready now
+                    granted = with_retry(lambda: client.admit(want), "admit", patience)[0] if want else 0
+                    if granted < want or want == 0:
                         last_refused = time.monotonic()
                     for _ in range(granted):
-                        problem = next(problems)
-                        seq += 1
-                        ids = self.tokenizer(problem.prompt, add_special_tokens=False)["input_ids"]
-                        group = GroupInProgress(f"g{self.gen_id}-{self._run_tag}-{seq}", ids,
-                                                cfg.train.group_size, dataclasses.asdict(problem), self.version)
-                        for rid in tracker.start(group):
-                            self.engine.add_request(rid, {"prompt_token_ids": ids}, sample_params)
-                self._in_flight = len(tracker)
+                        seq, prompt = next(problems)
+                        self._position = max(self._position, problems.position)
+                        runner.start(group_id(self.gen_id, self._run_tag, seq), prompt, self._encode(prompt.text))
+                    if granted:
+                        runner.pump()  # the new groups' first turns reach the engine
+                self._in_flight = len(self._groups)
                 # 4) one engine step
                 if not self.engine.has_unfinished_requests():
-                    self.timeline.enter("wait_admission")
+                    # idle with groups in flight: they await their environment or a late reward
+                    self.timeline.enter("wait_env_or_reward" if self._groups else "wait_admission")
                     time.sleep(0.002)
+                    runner.pump()  # environments and late rewards awaiting something other than the engine
                     continue
                 self.timeline.enter("generate")
                 outputs = self.engine.step()
+                finished = False
                 for out in outputs:
                     if out.request_id.startswith(EVAL_PREFIX):
                         if out.finished:
@@ -186,30 +237,37 @@ class GeneratorActor:
                     c = out.outputs[0]
                     lps = [lp[tok].logprob for tok, lp in zip(c.token_ids, c.logprobs or [])]
                     self.counters["tokens"] += len(c.token_ids)
-                    done = tracker.on_output(out.request_id, list(c.token_ids), lps, self.version,
-                                             c.finish_reason if out.finished else None)
-                    if done is not None:
-                        self.timeline.enter("reward_and_put")
-                        self._finish_group(done, client, patience)
+                    self.policy.on_output(out.request_id, list(c.token_ids), lps, self.version,
+                                          c.finish_reason if out.finished else None)
+                    finished = finished or out.finished
+                if finished or runner.reward_tasks or time.monotonic() - runner.last_pump > 0.01:
+                    runner.pump()
         finally:
             self.timeline.stop()
-            abandoned = [f"{gid}/{i}" for gid, g in tracker.groups.items() for i in range(g.n)]
+            abandoned = self.policy.cancel_all()
+            open_groups = len(runner.groups)
+            with contextlib.suppress(Exception):
+                runner.cancel_all()
             if eval_pending:
                 abandoned += [f"{EVAL_PREFIX}{i}" for i in range(len(self._heldout))]
             if abandoned:
                 self.engine.abort_request(abandoned)
             self._running.clear()
-            if len(tracker):
+            if open_groups:
                 with contextlib.suppress(Exception):  # best effort: the buffer may already be gone
-                    client.release(len(tracker))
+                    client.release(open_groups)
             client.close()
+            with contextlib.suppress(Exception):
+                runner.close()
+                source.close()
+                rewards.close()
         return self.stats()
 
     def _load_version(self, version: int) -> None:
         self.timeline.enter("paused_for_push")
         try:
-            received = self.llm.collective_rpc("receive_update", kwargs={"timeout_s": self.cfg.sync.timeout_s})[0]
-        except Exception as exc:  # timeout, excluded or a broken group: stay pending, retry at the next step
+            received = self.llm.collective_rpc("apply_update")[0]  # sync/pause_s: the swap itself
+        except Exception as exc:  # timeout, excluded or a broken group: stay pending, fetch again
             log.warning("generator %d: weight update to version %d failed, retrying: %s", self.gen_id, version, exc)
             with self._lock:
                 self.counters["update_failures"] += 1
@@ -219,33 +277,48 @@ class GeneratorActor:
             if self._pending_version is not None and self._pending_version <= self.version:
                 self._pending_version = None
             self.counters["updates"] += 1
+            # time this engine stood still for the update (receiver side: header wait, transfer, load, ack)
+            pause = float(received["sync/pause_s"])
+            c = self.counters
+            c["sync/pause_s_sum"] = c.get("sync/pause_s_sum", 0.0) + pause
+            c["sync/pause_s_max"] = max(c.get("sync/pause_s_max", 0.0), pause)
+            c["sync/pause_s_last"] = pause
+            c["sync/pause_s_mean"] = c["sync/pause_s_sum"] / c["updates"]
+            c["sync/transfer_s_last"] = float(received["sync/transfer_s"])
 
     def _record_eval(self, version: int, outputs: dict[str, str]) -> None:
-        problems = self._heldout
-        correct = sum(self.task.reward(problems[int(rid[len(EVAL_PREFIX):])], text) for rid, text in outputs.items())
+        prompts = self._heldout
+        correct = sum(self.env.verify(prompts[int(rid[len(EVAL_PREFIX):])], text) for rid, text in outputs.items())
         with self._lock:
-            self.evals.append({"version": version, "accuracy": correct / len(problems), "time": time.time()})
+            self.evals.append({"version": version, "accuracy": correct / len(prompts), "time": time.time()})
 
-    def _finish_group(self, done: GroupInProgress, client: BufferClient, patience: float) -> None:
-        problem = self.task.make(done.meta["a"], done.meta["b"])
-        try:
-            texts = [self.tokenizer.decode(t, skip_special_tokens=True) for t in done.tokens]
-            rewards = [float(self.task.reward(problem, text)) for text in texts]
-        except Exception as exc:  # a user reward function must never take the generator down
-            log.exception("generator %d: reward failed for group %s", self.gen_id, done.group_id)
-            with self._lock:
-                self.counters["reward_errors"] += 1
-                self.produced.append(done.group_id)
-                self.dropped[done.group_id] = f"reward_error: {exc!r}"
-            client.release(1)
-            return
-        group = done.to_group(rewards, self.gen_id)
-        with_retry(lambda: client.put(group), f"put {group.group_id}", patience)
+    # -- environments and rewards (coroutines in generator/groups.py, run between engine steps) -----
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return str(self.tokenizer.decode(token_ids, skip_special_tokens=True))
+
+    def _add_turn_request(self, request_id: str, context_ids: list[int], max_tokens: int) -> None:
+        self.policy.version = self.version  # observation tokens are stamped with the version being served
+        self.engine.add_request(request_id, {"prompt_token_ids": context_ids}, self._sampling[max_tokens])
+
+    def _record(self, event: str, gid: str, rewards: list[float] | None, reason: str) -> None:
+        """Ledger and counters of the GroupRunner's events (see ``generator/groups.py``)."""
         with self._lock:
-            self.produced.append(done.group_id)
-            self.counters["groups"] += 1
-            self.counters["samples"] += len(rewards)
-            self.counters["reward_sum"] += sum(rewards)
+            if event in ("put", "put_pending"):
+                self.produced.append(gid)
+                self.counters["groups"] += 1
+            elif event == "dropped":
+                self.produced.append(gid)
+                self.dropped[gid] = reason
+            elif event in self.counters:
+                self.counters[event] += 1
+            if event == "rewarded":
+                self.counters["rewards_late"] += 1
+            if rewards is not None:
+                self.counters["samples"] += len(rewards)
+                self.counters["reward_sum"] += sum(rewards)
 
     # -- scoring for verification (only while the loop is not running) -----------------------
     def score(self, sequences: list[list[int]]) -> list[list[float]]:

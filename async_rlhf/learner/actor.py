@@ -58,10 +58,17 @@ class LearnerActor:
         }
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
         self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
-        self.ref_model = None
-        if cfg.train.objective.kl_coef > 0:
+        algorithm = cfg.train.algorithm
+        self.ref_model = None  # the frozen initial policy: KL in the loss or the PPO reward, DPO's reference
+        if (cfg.train.objective.kl_coef > 0 or algorithm == "online_dpo"
+                or (algorithm == "ppo" and cfg.train.ppo.kl_coef > 0)):
             self.ref_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
             self.ref_model.requires_grad_(False)
+        self.ppo: Any = None  # critic engine + reward models, beside the actor on this rank
+        if algorithm == "ppo":
+            from async_rlhf.learner.ppo import PPOTrainer
+
+            self.ppo = PPOTrainer(cfg, model_path, ds_config)
         self.version = 0
         self.step = 0
         self.metrics: list[dict[str, Any]] = []
@@ -70,18 +77,26 @@ class LearnerActor:
         self._handles: dict[str, Any] = {}     # every generator ever registered: member id -> Ray handle
         self._generators: dict[str, Any] = {}  # current members of the push group
         self.timeline = Timeline(f"learner {rank}")
+        self._trained_by_step: dict[int, list[str]] = {}
+        self._stop_at: int | None = None
 
     def ready(self) -> int:
         return self.rank
 
     # -- weight push (rank 0) ----------------------------------------------------------------
     def weight_layout(self) -> list[dict[str, Any]]:
-        from async_rlhf.sync.layout import TensorSpec, layout_to_wire, plan_buckets
-        from async_rlhf.sync.sender import dtype_name
+        from async_rlhf.sync.layout import DTYPE_BYTES, TensorSpec, auto_bucket_bytes, layout_to_wire, plan_buckets
+        from async_rlhf.sync.tensors import dtype_name, flatten_params
 
         with self._full_params() as params:
             specs = [TensorSpec(n, tuple(p.shape), dtype_name(p)) for n, p in params.items()]
-        self._buckets = plan_buckets(specs, self.cfg.sync.bucket_mb << 20)
+            total = sum(s.numel * DTYPE_BYTES[s.dtype] for s in specs)
+            cap = self.cfg.sync.bucket_mb << 20
+            self._buckets = plan_buckets(specs, auto_bucket_bytes(total, lo=min(4 << 20, cap), hi=cap))
+            if self.cfg.learner.zero_stage == 0 and self.cfg.model.dtype == "float32" and self.step == 0:
+                # plain parameters: keep them in push order in one buffer, so every push sends straight from
+                # it (ZeRO-1/2 and DeepSpeed's bf16/fp16 optimizers already keep them flat; ZeRO-3 packs)
+                flatten_params(params, self._buckets)
         return layout_to_wire(self._buckets)
 
     def init_weight_sync(self, host: str, port: int, generators: dict[str, Any]) -> None:
@@ -146,12 +161,21 @@ class LearnerActor:
             else:
                 raise RuntimeError(f"the weight push of version {version} kept failing; see the errors above")
             self._generators = {m: self._handles[m] for m in self._sender.members if m in self._handles}
-            return {**metrics, "sync/dropped": float(len(dropped))}
+            # every generator holds v now and swaps it in at its next step boundary (drain: once drained);
+            # v is live when all have: recorded, not enforced (one still loading is not to blame)
+            live = self._sender.wait_live(self.cfg.sync.timeout_s)
+            times = [t for t in live.values() if isinstance(t, float)]
+            if len(times) < len(self._sender.members):
+                log.warning("version %d is not live everywhere after %.0fs: %s", version, self.cfg.sync.timeout_s,
+                            {m: live.get(m, "still loading") for m in self._sender.members})
+            return {**metrics, "sync/dropped": float(len(dropped)), "sync/live_members": float(len(times)),
+                    "sync/live_time": max(times, default=0.0)}
 
     # -- training ----------------------------------------------------------------------------
     def train(self, steps: int) -> dict[str, Any]:
         from async_rlhf.buffer.build import make_client
         from async_rlhf.buffer.client import with_retry
+        from async_rlhf.checkpoint import staging_dir
         from async_rlhf.learner.batch import collate
         from async_rlhf.learner.objectives import correction_saturated
 
@@ -162,6 +186,8 @@ class LearnerActor:
         self.engine.train()
         try:
             for _ in range(steps):
+                if self._stop_at is not None and self.step >= self._stop_at:
+                    break
                 t0 = time.perf_counter()
                 trained_at = self.version
                 groups = []
@@ -172,9 +198,11 @@ class LearnerActor:
                 t_data = time.perf_counter()
                 self.timeline.enter("compute")
                 batch = collate(groups, self.pad_id, cfg.train.advantage)
-                m = self._update(batch)
+                m = self._update(batch, [len(g.samples) for g in groups])
                 with_retry(lambda: client.ack(batch.group_ids), "ack", patience)
                 self.step += 1
+                with self._lock:
+                    self._trained_by_step[self.step] = list(batch.group_ids)
                 t_train = time.perf_counter()
                 push: dict[str, float] = {}
                 if self.step % cfg.train.push_every == 0:
@@ -193,11 +221,17 @@ class LearnerActor:
                     "optim/lr": cfg.train.lr,
                     "rollout/reward_mean": float(batch.rewards.mean().item()),
                     "rollout/samples": len(batch.rewards), "rollout/tokens": batch.num_tokens,
+                    "rollout/observation_tokens": batch.observation_tokens,
                     "staleness/mean": float(stale.float().mean().item()) if stale.numel() else 0.0,
                     "staleness/max": int(stale.max().item()) if stale.numel() else 0,
                     "time/data_wait_s": t_data - t0, "time/train_s": t_train - t_data, "time/push_s": t_end - t_train,
                     **m, **push,
                 }
+                every = cfg.run.checkpoint_every
+                if (every and self.step % every == 0) or _ == steps - 1 or self.step == self._stop_at:
+                    self.timeline.enter("checkpoint")
+                    record["checkpoint/step"] = self.step
+                    record["checkpoint/save_s"] = self.save_checkpoint(str(staging_dir(cfg.run.dir, self.step)))
                 with self._lock:
                     self.metrics.append(record)
         finally:
@@ -208,8 +242,11 @@ class LearnerActor:
     def timeline_dict(self) -> dict[str, Any]:
         return self.timeline.to_dict()
 
-    def _update(self, batch: Any) -> dict[str, float]:
+    def _update(self, batch: Any, group_sizes: list[int] | None = None) -> dict[str, float]:
         """``train.minibatches`` optimizer steps on one batch; returns metrics averaged over them (max of maxima).
+
+        ``train.algorithm`` picks the advantages: group baselines (grpo), GAE with the critic (ppo, which
+        also trains the critic once per minibatch), or no policy gradient at all (online_dpo, its own loss).
 
         The proximal policy is the weights at the start of the step: exactly the current weights (detached)
         with one minibatch, a no-grad forward with several, or interpolated by version for
@@ -221,6 +258,8 @@ class LearnerActor:
         from async_rlhf.learner.objectives import entropy_from_logits, kl_penalty, masked_mean, policy_loss
 
         obj = self.cfg.train.objective
+        if self.cfg.train.algorithm == "online_dpo":
+            return self._dpo_update(batch, group_sizes or [batch.input_ids.shape[0]])
         k = min(self.cfg.train.minibatches, batch.input_ids.shape[0])
 
         def forward(model: Any, idx: Any) -> tuple[Any, Any]:
@@ -232,6 +271,11 @@ class LearnerActor:
             with torch.no_grad():
                 prox_all = forward(self.engine, slice(None))[1]
         adv = batch.advantages.unsqueeze(1).expand_as(batch.behav_logp)
+        targets = None
+        if self.ppo is not None:
+            ref = self.ref_model
+            targets = self.ppo.prepare(batch, (lambda: forward(ref, slice(None))[1]) if ref is not None else None)
+            adv = targets.advantages
         per_step: list[dict[str, float]] = []
         for j, idx in enumerate(torch.arange(batch.input_ids.shape[0]).chunk(k)):
             logits, logp = forward(self.engine, idx)
@@ -240,7 +284,7 @@ class LearnerActor:
             loss, m = policy_loss(logp, prox, batch.behav_logp[idx], adv[idx], mask, obj,
                                   token_versions=batch.versions[idx], current_version=self.version + j / k,
                                   prox_version=self.version)
-            if self.ref_model is not None:
+            if self.ref_model is not None and obj.kl_coef > 0:
                 with torch.no_grad():
                     ref_logp = forward(self.ref_model, idx)[1]
                 kl = masked_mean(kl_penalty(logp, ref_logp, mask, obj.kl_estimator), mask)
@@ -248,6 +292,8 @@ class LearnerActor:
                 m["ppo/kl_ref"] = float(kl.item())
             self.engine.backward(loss)
             self.engine.step()
+            if targets is not None:
+                m.update(self.ppo.train_critic(batch, idx, targets))
             with torch.no_grad():
                 m["ppo/entropy"] = float(entropy_from_logits(logits[:, :-1], mask).item())
             m["optim/loss"] = float(loss.item())
@@ -256,11 +302,87 @@ class LearnerActor:
         for key in per_step[0]:
             values = [m[key] for m in per_step]
             merged[key] = max(values) if key.endswith("/max") else sum(values) / len(values)
+        if targets is not None:
+            merged.update(targets.metrics)
+        return merged
+
+    def _dpo_update(self, batch: Any, group_sizes: list[int]) -> dict[str, float]:
+        """Online DPO: best against worst completion of every prompt group, ``train.minibatches`` steps.
+
+        Only the rows that are in a pair are forwarded; a batch without any pair (every group a tie) still
+        takes one zero-gradient step, so data-parallel ranks stay in lockstep.
+        """
+        import torch
+
+        from async_rlhf.learner.batch import token_logprobs
+        from async_rlhf.learner.online_dpo import online_dpo_loss, select_pairs
+
+        dpo = self.cfg.train.dpo
+        pairs = select_pairs(batch.rewards, group_sizes)
+        k = max(1, min(self.cfg.train.minibatches, len(pairs)))
+        chunks = [pairs[j::k] for j in range(k)]
+        per_step: list[dict[str, float]] = []
+        for chunk in chunks:
+            rows = sorted({i for pair in chunk for i in pair}) or [0]
+            local = {row: j for j, row in enumerate(rows)}
+            ids, attn = batch.input_ids[rows], batch.attention_mask[rows]
+            with torch.no_grad():
+                ref_logp = token_logprobs(self.ref_model(input_ids=ids, attention_mask=attn).logits, ids)
+            logp = token_logprobs(self.engine(input_ids=ids, attention_mask=attn).logits, ids)
+            loss, m = online_dpo_loss(logp, ref_logp, batch.loss_mask[rows], [(local[c], local[r]) for c, r in chunk],
+                                      dpo.beta, dpo.label_smoothing)
+            self.engine.backward(loss)
+            self.engine.step()
+            m["optim/loss"] = float(loss.item())
+            if chunk:  # the margin on the same pairs after the step: the step's own progress (a no-grad forward)
+                with torch.no_grad():
+                    after = token_logprobs(self.engine(input_ids=ids, attention_mask=attn).logits, ids)
+                    _, m_after = online_dpo_loss(after, ref_logp, batch.loss_mask[rows],
+                                                 [(local[c], local[r]) for c, r in chunk], dpo.beta)
+                m["dpo/margin_after_step"] = m_after["dpo/reward_margin"]
+            per_step.append(m)
+        merged = {key: sum(m.get(key, 0.0) for m in per_step) / len(per_step) for key in per_step[0]}
+        merged["dpo/pairs"] = float(len(pairs))
+        merged["dpo/groups_with_pair"] = len(pairs) / max(1, len(group_sizes))
         return merged
 
     def metrics_since(self, index: int) -> list[dict[str, Any]]:
         with self._lock:
             return self.metrics[index:]
+
+    # -- checkpoints (the driver commits them: manifest, rename, prune; see async_rlhf/checkpoint.py) ----
+    def save_checkpoint(self, out_dir: str) -> float:
+        """Model, optimizer, step and version (DeepSpeed, collective on every rank) and, from rank 0, the
+        policy as a Hugging Face directory, all under ``out_dir``; returns the seconds it took."""
+        t0 = time.perf_counter()
+        out = Path(out_dir)
+        self.engine.save_checkpoint(str(out / "deepspeed"), tag="state",
+                                    client_state={"step": self.step, "version": self.version})
+        self.save_hf(str(out / "policy"))
+        return time.perf_counter() - t0
+
+    def load_checkpoint(self, ckpt_dir: str) -> dict[str, int]:
+        """Restore model, optimizer, step and version from a committed checkpoint before train()."""
+        _, client = self.engine.load_checkpoint(str(Path(ckpt_dir) / "deepspeed"), tag="state")
+        if client is None:
+            raise RuntimeError(f"{ckpt_dir}: DeepSpeed found no state to load")
+        self.step, self.version = int(client["step"]), int(client["version"])
+        return {"step": self.step, "version": self.version}
+
+    def current_step(self) -> int:
+        return self.step
+
+    def request_stop(self, at_step: int) -> None:
+        """End train() after step ``at_step`` (the same on every rank: steps are collective), checkpointed."""
+        self._stop_at = int(at_step)
+
+    def trained_ids(self, first_step: int, last_step: int) -> dict[int, list[str]]:
+        """Group ids this rank trained at steps ``first_step..last_step``; older steps are forgotten."""
+        with self._lock:
+            out = {s: ids for s, ids in self._trained_by_step.items() if first_step <= s <= last_step}
+            for s in [s for s in self._trained_by_step if s < first_step]:
+                del self._trained_by_step[s]
+        return out
 
     def save_hf(self, out_dir: str) -> str:
         """Write the policy as a Hugging Face model directory (tokenizer files copied from the input)."""

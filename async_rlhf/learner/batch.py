@@ -5,9 +5,13 @@ column t holds what is known about token t+1 (the logit at t predicts it), so a 
 absolute position p lives in column p-1::
 
     input_ids   [ p0 p1 p2 c0 c1 c2 pad ]
-    loss_mask      [ 0  0  1  1  1   0  ]   1 where the next token is a completion token
+    loss_mask      [ 0  0  1  1  1   0  ]   1 where the next token is a generated completion token
     behav_logp     [ .  .  m0 m1 m2  .  ]   mu from the generator
     versions       [ .  .  v0 v1 v2  .  ]   policy version that generated each token
+
+A multi-turn sample's completion holds environment observation tokens between turns (``Sample.loss_mask``
+0 there): their columns keep loss_mask 0, so no objective gives them gradient, while they stay in
+``input_ids`` as context for the later turns.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ class Batch:
     rewards: torch.Tensor         # [N] float
     advantages: torch.Tensor      # [N] float, sequence level
     group_ids: list[str]
+    observation_tokens: int = 0
+    """Environment tokens inside completions (multi-turn), in the context but masked out of the loss."""
 
     @property
     def num_tokens(self) -> int:
@@ -37,7 +43,7 @@ class Batch:
 
 
 def collate(groups: list[Group], pad_id: int, advantage: str) -> Batch:
-    seqs, comp_spans, mus, vers = [], [], [], []
+    seqs, comp_spans, mus, vers, trained = [], [], [], [], []
     rewards = [torch.tensor([s.reward for s in g.samples], dtype=torch.float32) for g in groups]
     if len({len(r) for r in rewards}) == 1:  # one [G, n] call: batch-level estimators (REINFORCE++) need it
         advs = list(group_advantages(torch.stack(rewards), advantage))
@@ -52,6 +58,8 @@ def collate(groups: list[Group], pad_id: int, advantage: str) -> Batch:
             comp_spans.append((len(prompt), len(s.completion_ids)))
             mus.append(torch.from_numpy(s.logprobs.astype("float32")))
             vers.append(torch.from_numpy(s.versions.astype("int64")))
+            mask = getattr(s, "loss_mask", None)
+            trained.append(None if mask is None else torch.from_numpy(mask.astype("float32")))
     n, length = len(seqs), max(len(s) for s in seqs)
     input_ids = torch.full((n, length), pad_id, dtype=torch.long)
     attention = torch.zeros((n, length), dtype=torch.long)
@@ -63,11 +71,12 @@ def collate(groups: list[Group], pad_id: int, advantage: str) -> Batch:
         attention[i, :len(seq)] = 1
         start, count = comp_spans[i]
         cols = slice(start - 1, start - 1 + count)
-        loss_mask[i, cols] = 1.0
+        loss_mask[i, cols] = 1.0 if trained[i] is None else trained[i]
         behav[i, cols] = mus[i]
         versions[i, cols] = vers[i]
+    observed = sum(int((m == 0).sum().item()) for m in trained if m is not None)
     return Batch(input_ids, attention, loss_mask, behav, versions, torch.cat(rewards), torch.cat(advs),
-                 [g.group_id for g in groups])
+                 [g.group_id for g in groups], observed)
 
 
 def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:

@@ -11,9 +11,6 @@ own timeout, and ``abort()`` does not cancel it, so every wait here is sliced: b
 deadline and an abort condition (a store key), so the caller decides when to give up. A group whose op
 was abandoned is never reused: membership code opens a new epoch, and the old group is released only
 once that op has timed out (its destructor would block until then).
-
-``make_group``, ``broadcast`` and ``allreduce_sum`` are the first, rank-based API (kept while the actors
-move to :class:`async_rlhf.sync.sender.Sender` and :class:`async_rlhf.sync.receiver.Receiver`).
 """
 
 from __future__ import annotations
@@ -144,23 +141,3 @@ def wait_work(work: dist.Work, deadline: float, what: str, abort: Callable[[], s
 
 def _is_slice_timeout(exc: Exception) -> bool:
     return "timed out" in str(exc).lower()
-
-
-# -- the first, rank-based API (kept as bench/weight_sync.py's baseline) ----------------------------
-
-def make_group(host: str, port: int, world_size: int, rank: int, backend: str = "gloo",
-               timeout_s: float = 120.0) -> dist.ProcessGroup:
-    timeout = seconds(timeout_s)
-    store = dist.TCPStore(host, port, world_size, is_master=(rank == 0), timeout=timeout,
-                          wait_for_workers=True)
-    return build_pg(store, rank, world_size, backend, timeout_s)
-
-
-def broadcast(pg: dist.ProcessGroup, tensor: torch.Tensor, root: int, timeout_s: float) -> None:
-    post_broadcast(pg, tensor, root).wait(seconds(timeout_s))
-
-
-def allreduce_sum(pg: dist.ProcessGroup, tensor: torch.Tensor, timeout_s: float) -> None:
-    opts = dist.AllreduceOptions()
-    opts.reduceOp = dist.ReduceOp.SUM
-    pg.allreduce([tensor], opts).wait(seconds(timeout_s))

@@ -24,10 +24,12 @@ Join, rebuild, push, ack (k counts push headers within an epoch; every wait has 
         set(e'/go) ---------------------------------> wait(e'/go)
         build the group of e' (rank 0) <=============> build the group of e' (rendezvous on e'/pg/)
       set(e'/hdr/k, {"version": v, "layout": digest}) -> wait(e'/hdr/k); refuse a foreign layout
-      broadcast buckets 0..B-1 ======================> receive bucket i; load its named tensors while
-                                                       bucket i + 1 is still on the wire
+      broadcast buckets 0..B-1 ======================> receive every bucket into the buffer (on a thread:
+                                                       the engine keeps generating)
       wait(e'/ack/k/<id> for every member) <--------  set(e'/ack/k/gen1, "ok")
-      all "ok" by the deadline: v is live                 (own failure: "error: ...", then add(e'/failed/k))
+      all "ok" by the deadline: every member holds v      (own failure: "error: ...", then add(e'/failed/k))
+                                                      between two engine steps: load v, then
+      live_times(): v is live at gen1 from then <----  set(e'/live/k/gen1, wall time)
       else: set(e'/abort/k) --------------------------> receivers still waiting on a bucket give up within
             collect reports for a short grace               a slice and report "aborted: ..."
             raise PushError(missing, errors, aborted); the next push opens a new epoch
@@ -83,6 +85,11 @@ def header_key(epoch: int, k: int) -> str:
 
 def ack_key(epoch: int, k: int, member_id: str) -> str:
     return f"e{epoch}/ack/{k}/{member_id}"
+
+
+def live_key(epoch: int, k: int, member_id: str) -> str:
+    """Set by a member once it serves push k (its wall time), or to "error: ..." if loading failed."""
+    return f"e{epoch}/live/{k}/{member_id}"
 
 
 def failed_key(epoch: int, k: int) -> str:

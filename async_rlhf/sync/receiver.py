@@ -1,29 +1,33 @@
 """Receiver side of the weight push (inside a generator's vLLM worker). Mirrors the sender.
 
 The receiver owns one byte buffer holding every bucket (allocated on the first push, reused by every
-later one). A push posts the receive of every bucket at once, then hands the named tensors to ``load``
-bucket by bucket as they arrive, so loading bucket i overlaps the transfer of bucket i + 1::
+later one). An update has two phases, so that the engine stands still only for the second::
 
-    wait(hdr k) -> post recv(bucket 0..B-1) -> load(  wait(bucket 0), yield its tensors,
-                                                      wait(bucket 1), yield its tensors, ...  ) -> ack
+    fetch():  wait(hdr k) -> post recv(bucket 0..B-1) -> wait all -> ack "ok"      (engine keeps generating,
+                                                                                 fetch runs on a thread)
+    apply():  load(every bucket's named tensors) -> live key (wall time)          (engine paused between
+                                                                                 two steps: the swap)
 
-``load`` receives an iterator of (name, tensor) and must consume it: vLLM's
-``model_runner.reload_weights(weights_iterator=...)`` does, and so does a plain copy loop. The tensors are
-views into the buffer: valid until the next push, so ``load`` must copy them (both of those do), and the
-buffer is kept whole (not a ring) because vLLM's layerwise reload holds a layer's tensors until the
-layer is complete, which may be several buckets later.
+The sender's push completes at the acks (every member holds v, byte-exact); v is live at each member
+once it has applied it. Loading starts only after the whole version has arrived: vLLM's layerwise
+reload keeps half-loaded layers on the meta device if its weight iterator raises, so a push aborted
+mid-way must never reach the engine. ``load`` receives an iterator of (name, tensor) and must consume it:
+vLLM's ``model_runner.reload_weights(weights_iterator=...)`` does, and so does a plain copy loop. The
+tensors are views into the buffer, valid until the next fetch, so ``load`` must copy them.
 
 Usage in a generator's worker::
 
     rx = Receiver(buckets, "gen1", host, port, timeout_s=120)
     rx.join()                      # initial member: returns once the sender forms the group
     ...
-    got = rx.receive(load)         # at each update (a late joiner calls this first: it joins at the
-                                   # next version boundary and gets that version before serving)
+    staged = rx.fetch()            # at each update, on a thread while the engine generates (a late
+    got = rx.apply(staged, load)   # joiner: before serving; it joins at the next version boundary)
+    got = rx.receive(load)         # both at once, standing still
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import uuid
@@ -37,8 +41,6 @@ from async_rlhf.sync import protocol as P
 from async_rlhf.sync.group import (
     Aborted,
     SyncError,
-    allreduce_sum,
-    broadcast,
     build_pg,
     connect_store,
     left,
@@ -48,7 +50,7 @@ from async_rlhf.sync.group import (
     wait_work,
 )
 from async_rlhf.sync.layout import Bucket, layout_digest
-from async_rlhf.sync.tensors import TORCH_DTYPES, arena_offsets, named_views
+from async_rlhf.sync.tensors import arena_offsets, named_views
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +65,16 @@ class Excluded(SyncError):
 
 class ReceiveError(SyncError):
     """This member failed to receive or load a pushed version (the sender was told)."""
+
+
+@dataclass(frozen=True)
+class Staged:
+    """A version received whole into the buffer and acknowledged, not loaded yet."""
+
+    version: int
+    epoch: int
+    k: int
+    metrics: dict[str, float]
 
 
 @dataclass(frozen=True)
@@ -153,12 +165,12 @@ class Receiver:
                  len(members) + 1)
 
     # -- data path ----------------------------------------------------------------------------------
-    def receive(self, load: Load, timeout_s: float | None = None, per_bucket: bool = False) -> Received:
-        """Wait for the next push addressed to this member, load it through ``load``, acknowledge it.
+    def fetch(self, timeout_s: float | None = None) -> Staged:
+        """Wait for the next push addressed to this member and receive all of it into the buffer; then
+        acknowledge it (the sender may go on: the bytes are safe here). The engine is not touched, so it
+        may keep generating meanwhile (from another thread); :meth:`apply` swaps the version in.
 
-        ``load`` gets an iterator of (name, tensor), or with ``per_bucket`` one list of them per bucket
-        (for a sink that copies a bucket in one fused call). Follows epoch changes on the way (and joins
-        first if this member is not in the group yet).
+        Follows epoch changes on the way (and joins first if this member is not in the group yet).
         Raises :class:`Excluded` if the sender dropped this member, :class:`ReceiveError` if this push
         failed here (the sender was told), :class:`SyncTimeout` if no push came within ``timeout_s``.
         """
@@ -176,29 +188,64 @@ class Receiver:
             self._enter(header.next_epoch, deadline)
         version = header.version
         t_header = time.perf_counter()
-        marks: dict[str, float] = {}
         try:
             if self._pg is None:
                 raise SyncError(f"the group of epoch {e} was never built here")
             if header.layout != self.layout_digest:
                 raise SyncError(f"layout mismatch: the sender pushes layout {header.layout}, this member holds "
                                 f"{self.layout_digest} (call use_layout on both sides at the same boundary)")
-            self._transfer(load, per_bucket, version, e, k, deadline, marks)
+            self._transfer(version, e, k, deadline)
         except Exception as exc:
             self._report(e, k, exc)
             raise ReceiveError(f"member {self.me.id} failed to receive version {version}: {exc}") from exc
         self.store.set(P.ack_key(e, k, self.me.id), "ok")
-        t_ack = time.perf_counter()
-        self.version = version
-        return Received(version, e, {
-            "sync/wait_header_s": t_header - t0,
-            "sync/transfer_s": marks["last_bucket"] - t_header,
-            "sync/load_tail_s": marks["loaded"] - marks["last_bucket"],
-            "sync/pause_s": t_ack - t0,
-        })
+        return Staged(version, e, k, {"sync/wait_header_s": t_header - t0,
+                                      "sync/transfer_s": time.perf_counter() - t_header})
 
-    def _transfer(self, load: Load, per_bucket: bool, version: int, e: int, k: int, deadline: float,
-                  marks: dict[str, float]) -> None:
+    def apply(self, staged: Staged, load: Load, per_bucket: bool = False) -> Received:
+        """Hand the staged version to ``load`` (an iterator of (name, tensor), or with ``per_bucket`` one
+        list of them per bucket, for a sink that copies a bucket in one fused call), then record it live.
+
+        Loading starts only once every byte has arrived, so a push that fails half-way never leaves a
+        half-loaded engine (vLLM's layerwise reload cannot be interrupted cleanly). A failing ``load`` is
+        reported under the live key and raised as :class:`ReceiveError`; this member stays in the group
+        and its next version overwrites every tensor.
+        """
+        t0 = time.perf_counter()
+        e, k = staged.epoch, staged.k
+
+        def stream() -> Iterator:
+            for views in self._views:
+                if per_bucket:
+                    yield views
+                else:
+                    yield from views
+
+        it = stream()
+        try:
+            load(it)
+            if next(it, None) is not None:
+                raise SyncError("load() returned before consuming every pushed tensor")
+        except Exception as exc:
+            msg = f"error: {type(exc).__name__}: {exc}"[:500]
+            log.error("member %s could not load version %d: %s", self.me.id, staged.version, msg)
+            with contextlib.suppress(Exception):  # the sender may be gone; the original error matters
+                self.store.set(P.live_key(e, k, self.me.id), msg)
+            raise ReceiveError(f"member {self.me.id} failed to load version {staged.version}: {exc}") from exc
+        self.store.set(P.live_key(e, k, self.me.id), repr(time.time()))
+        self.version = staged.version
+        load_s = time.perf_counter() - t0
+        return Received(staged.version, e, {**staged.metrics, "sync/load_s": load_s, "sync/pause_s": load_s})
+
+    def receive(self, load: Load, timeout_s: float | None = None, per_bucket: bool = False) -> Received:
+        """:meth:`fetch` then :meth:`apply`, for a caller that stands still meanwhile (``sync/pause_s`` is
+        then all of it: header wait, transfer and load)."""
+        t0 = time.perf_counter()
+        got = self.apply(self.fetch(timeout_s), load, per_bucket)
+        got.metrics["sync/pause_s"] = time.perf_counter() - t0
+        return got
+
+    def _transfer(self, version: int, e: int, k: int, deadline: float) -> None:
         aborted = P.abort_key(e, k)
 
         def abort() -> str | None:
@@ -207,27 +254,8 @@ class Receiver:
         self.arena()
         works = [post_broadcast(self._pg, self._bucket_bytes(i)) for i in range(len(self.buckets))]
         self._works = works
-        consumed = [0]
-
-        def stream() -> Iterator:
-            for i, w in enumerate(works):
-                wait_work(w, deadline, f"bucket {i} of version {version}", abort, self.slice_s)
-                consumed[0] = i + 1
-                if i == len(works) - 1:
-                    marks["last_bucket"] = time.perf_counter()
-                if per_bucket:
-                    yield self._views[i]
-                else:
-                    yield from self._views[i]
-
-        it = stream()
-        load(it)
-        if consumed[0] < len(works) or next(it, None) is not None:
-            for _ in it:  # let the sender finish before reporting
-                pass
-            raise SyncError("load() returned before consuming every pushed tensor")
-        marks.setdefault("last_bucket", time.perf_counter())
-        marks["loaded"] = time.perf_counter()
+        for i, w in enumerate(works):
+            wait_work(w, deadline, f"bucket {i} of version {version}", abort, self.slice_s)
 
     def _report(self, e: int, k: int, exc: Exception) -> None:
         victim = _caused_by(exc, Aborted)  # load() (vLLM) may wrap what our iterator raised
@@ -253,20 +281,3 @@ def _caused_by(exc: BaseException | None, kind: type[BaseException]) -> bool:
         seen.add(id(exc))
         exc = exc.__cause__ or exc.__context__
     return False
-
-
-# -- the first, rank-based API (the generator's worker extension still calls it) ----------------------
-
-def receive_buckets(pg, buckets: list[Bucket], timeout_s: float) -> list[tuple[str, torch.Tensor]]:
-    """Receive every bucket from rank 0 and return named views into the flat buffers."""
-    named: list[tuple[str, torch.Tensor]] = []
-    for b in buckets:
-        flat = torch.empty(b.numel, dtype=TORCH_DTYPES[b.dtype])
-        broadcast(pg, flat, root=0, timeout_s=timeout_s)
-        named.extend((e.name, flat[e.offset:e.offset + e.numel].view(e.shape)) for e in b.entries)
-    return named
-
-
-def acknowledge(pg, timeout_s: float) -> None:
-    """Tell the sender this receiver has loaded the version (the sender sums the acks)."""
-    allreduce_sum(pg, torch.ones(1, dtype=torch.int64), timeout_s)

@@ -25,6 +25,7 @@ Usage on learner rank 0::
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -37,8 +38,6 @@ from async_rlhf.sync import protocol as P
 from async_rlhf.sync.group import (
     SyncError,
     SyncTimeout,
-    allreduce_sum,
-    broadcast,
     build_pg,
     host_store,
     left,
@@ -50,7 +49,7 @@ from async_rlhf.sync.group import (
 from async_rlhf.sync.layout import Bucket, layout_digest
 from async_rlhf.sync.tensors import TORCH_DTYPES, adjacent_bytes, aligned, as_bytes, dtype_name
 
-__all__ = ["PushError", "Sender", "WeightSender", "TORCH_DTYPES", "dtype_name"]
+__all__ = ["PushError", "Sender", "TORCH_DTYPES", "dtype_name"]
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +109,7 @@ class Sender:
         self._dropped: set[str] = set()
         self._queued: list[P.Member] = []
         self._works: list[dist.Work] = []
+        self._last: tuple[int, int, list[str]] | None = None  # epoch, k and members of the last push
         self.use_layout(buckets)
 
     # -- membership ---------------------------------------------------------------------------------
@@ -229,7 +229,8 @@ class Sender:
 
     @torch.no_grad()
     def push(self, params: Mapping[str, torch.Tensor], version: int) -> dict[str, float]:
-        """Send ``version`` to every member; returns once all acknowledged it (it is live).
+        """Send ``version`` to every member; returns once all acknowledged it: each holds it whole and
+        swaps it in at its next step boundary (:meth:`live_times` tells when it did).
 
         Raises :class:`PushError` naming the members that failed, within ``timeout_s``; the next push
         then opens a new epoch (call :meth:`drop` first to leave the failed members out).
@@ -246,7 +247,7 @@ class Sender:
         if not self._members:
             self.version = version
             return {**metrics, "sync/bytes": 0.0, "sync/push_s": time.perf_counter() - t0,
-                    "sync/live_time": time.time()}
+                    "sync/acked_time": time.time()}
         e, k = self.epoch, self._k
         self._k += 1
         self.store.set(P.header_key(e, k), P.Header(version=version, layout=self.layout_digest).encode())
@@ -290,11 +291,37 @@ class Sender:
         if any(v != "ok" for v in acks.values()):
             self._fail(e, k, version, SyncError("a member reported a failure"), known=acks)
         self.version = version
+        self._last = (e, k, [m.id for m in self._members])
         t_done = time.perf_counter()
         nbytes = float(sum(b.nbytes for b in self.buckets))
         return {**metrics, "sync/bytes": nbytes, "sync/pack_s": pack_s, "sync/broadcast_s": t_sent - t_ready,
                 "sync/ack_wait_s": t_done - t_sent, "sync/push_s": t_done - t0,
-                "sync/gbps": nbytes / max(t_done - t_ready, 1e-9) / 1e9, "sync/live_time": time.time()}
+                "sync/gbps": nbytes / max(t_done - t_ready, 1e-9) / 1e9, "sync/acked_time": time.time()}
+
+    def wait_live(self, timeout_s: float) -> dict[str, float | str]:
+        """Wait until every member of the last push has swapped it in (or reported a load error), at most
+        ``timeout_s``; returns :meth:`live_times` (a member still loading is absent, never blamed here)."""
+        if self._last is not None:
+            e, k, ids = self._last
+            with contextlib.suppress(SyncTimeout):
+                store_wait(self.store, [P.live_key(e, k, m) for m in ids], time.monotonic() + timeout_s,
+                           "members to serve the pushed version")
+        return self.live_times()
+
+    def live_times(self) -> dict[str, float | str]:
+        """For the last completed push: member -> wall time at which it started serving that version, or
+        its "error: ..." if loading failed there; members that have not swapped it in yet are absent."""
+        if self._last is None:
+            return {}
+        e, k, ids = self._last
+        keys = {m: P.live_key(e, k, m) for m in ids}
+        present = {m: key for m, key in keys.items() if self.store.check([key])}
+        values = self.store.multi_get(list(present.values())) if present else []
+        out: dict[str, float | str] = {}
+        for m, raw in zip(present, values):
+            text = raw.decode()
+            out[m] = text if text.startswith("error") else float(text)
+        return out
 
     def _await_acks(self, e: int, k: int, deadline: float) -> dict[str, str]:
         keys = {m.id: P.ack_key(e, k, m.id) for m in self._members}
@@ -328,32 +355,3 @@ class Sender:
     def close(self) -> None:
         retire(self._pg, self._works)
         self._pg = None
-
-
-class WeightSender:
-    """The first, rank-based sender (a fixed group from :func:`async_rlhf.sync.group.make_group`, an
-    allreduce as the ack). Kept while the learner actor moves to :class:`Sender`."""
-
-    def __init__(self, pg, buckets: list[Bucket], num_receivers: int, timeout_s: float) -> None:
-        self.pg = pg
-        self.buckets = buckets
-        self.num_receivers = num_receivers
-        self.timeout_s = timeout_s
-
-    def push(self, params: Mapping[str, torch.Tensor]) -> dict[str, float]:
-        """Broadcast every bucket, then wait for every receiver's acknowledgement."""
-        t0 = time.perf_counter()
-        nbytes = 0
-        for b in self.buckets:
-            flat = torch.empty(b.numel, dtype=TORCH_DTYPES[b.dtype])
-            for e in b.entries:
-                flat[e.offset:e.offset + e.numel].copy_(params[e.name].detach().reshape(-1))
-            broadcast(self.pg, flat, root=0, timeout_s=self.timeout_s)
-            nbytes += b.nbytes
-        t_sent = time.perf_counter()
-        ack = torch.zeros(1, dtype=torch.int64)
-        allreduce_sum(self.pg, ack, self.timeout_s)
-        if int(ack.item()) != self.num_receivers:
-            raise RuntimeError(f"weight push acknowledged by {int(ack.item())} of {self.num_receivers} receivers")
-        t_done = time.perf_counter()
-        return {"sync/bytes": float(nbytes), "sync/broadcast_s": t_sent - t0, "sync/push_s": t_done - t0}

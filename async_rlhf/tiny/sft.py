@@ -30,6 +30,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokeni
 
 from async_rlhf.config import TaskConfig
 from async_rlhf.env.arithmetic import AdditionTask, Problem, score_completion
+from async_rlhf.env.longtail import LongTailTask
 from async_rlhf.tiny import model as tiny_model
 from async_rlhf.tiny.model import build_tiny_model
 from async_rlhf.tiny.tokenizer import load_tokenizer, save_tokenizer
@@ -114,6 +115,7 @@ def sft_warm_start(
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, steps))
     stream = task.train_problems(seed)
     teacher = random.Random(f"sloppy-teacher-{seed}")
+    sloppy = getattr(task, "sloppy_answer", None) or task.carry_free_answer  # the long-tail task names its own
     log_every = max(1, min(50, steps // 10))
     t0 = time.perf_counter()
     with torch.random.fork_rng(devices=[]):
@@ -121,7 +123,7 @@ def sft_warm_start(
         for step in range(1, steps + 1):
             problems = _take(stream, batch_size)
             targets = [
-                task.carry_free_answer(p) if teacher.random() < forget_carry else task.completion_target(p)
+                sloppy(p) if teacher.random() < forget_carry else task.completion_target(p)
                 for p in problems
             ]
             ids, attn, loss_mask = _sft_batch(problems, targets, tok)
@@ -165,15 +167,16 @@ def evaluate_policy(
         return {"heldout_greedy_accuracy": 0.0, "heldout_sampled_accuracy": 0.0}
     gen = torch.Generator().manual_seed(seed)
     prompts = [tokenizer.encode(p.prompt, add_special_tokens=False) for p in held for _ in range(samples)]
+    max_new = max(6, task.max_answer_chars + 1)
     outs = generate_batch(
-        model, prompts, 6, tokenizer.pad_token_id, tokenizer.eos_token_id, temperature=1.0, generator=gen
+        model, prompts, max_new, tokenizer.pad_token_id, tokenizer.eos_token_id, temperature=1.0, generator=gen
     )
     sampled = sum(
         score_completion(held[i // samples], tokenizer.decode(o, skip_special_tokens=True))
         for i, o in enumerate(outs)
     )
     return {
-        "heldout_greedy_accuracy": greedy_accuracy(model, tokenizer, held),
+        "heldout_greedy_accuracy": greedy_accuracy(model, tokenizer, held, max_new),
         "heldout_sampled_accuracy": sampled / len(outs),
     }
 
@@ -299,8 +302,8 @@ def prepare_tiny_policy(cache_root: Path, task_cfg: TaskConfig, seed: int = 0) -
     ``tiny_info.json`` (settings, held-out greedy accuracy, build time). It is built in a temporary directory
     and renamed into place, so the directory exists only when complete.
     """
-    if task_cfg.name != "addition":
-        raise ValueError(f"the tiny policy is built for the addition task, not {task_cfg.name!r}")
+    if task_cfg.name not in ("addition", "longtail"):
+        raise ValueError(f"the tiny policy is built for the addition and longtail tasks, not {task_cfg.name!r}")
     settings = tiny_settings(task_cfg, seed)
     digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
     cache_root = Path(cache_root)
@@ -319,7 +322,8 @@ def prepare_tiny_policy(cache_root: Path, task_cfg: TaskConfig, seed: int = 0) -
         staging = Path(tempfile.mkdtemp(prefix=f".tiny-{digest}-", dir=cache_root))
         try:
             # The canonical held-out split (task seed 0) whatever ``seed`` is: the run evaluates on it.
-            task = AdditionTask(digits=task_cfg.digits, heldout_size=task_cfg.heldout_size)
+            task = (LongTailTask(heldout_size=task_cfg.heldout_size) if task_cfg.name == "longtail"
+                    else AdditionTask(digits=task_cfg.digits, heldout_size=task_cfg.heldout_size))
             base = build_tiny_model(staging / "base", seed=seed)
             policy = staging / "policy"
             sft_warm_start(

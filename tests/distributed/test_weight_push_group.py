@@ -18,7 +18,7 @@ import torch
 import torch.multiprocessing as mp
 from conftest import stop_process
 
-from async_rlhf.sync.group import free_port
+from async_rlhf.sync.group import free_port, post_broadcast
 from async_rlhf.sync.layout import TensorSpec, layout_from_wire, layout_to_wire, plan_buckets
 from async_rlhf.sync.receiver import Excluded, ReceiveError, Receiver
 from async_rlhf.sync.sender import PushError, Sender
@@ -61,15 +61,31 @@ def layout_wire() -> list[dict]:
     return layout_to_wire(plan_buckets(specs, BUCKET_BYTES))
 
 
-def _exit(out) -> None:
+def _exit(out, code: int = 0) -> None:
     """Flush the reports, then leave without the slow interpreter and torch teardown."""
     out.close()
     out.join_thread()
-    os._exit(0)
+    os._exit(code)
+
+
+class _BreaksMidPush(Receiver):
+    """A receiver process that dies (exit code 3) or hangs once the first bucket of a push has arrived."""
+
+    action: str
+    out: object
+
+    def _transfer(self, version: int, e: int, k: int, deadline: float) -> None:
+        self.arena()
+        works = [post_broadcast(self._pg, self._bucket_bytes(i)) for i in range(len(self.buckets))]
+        works[0].wait()  # mid-push
+        self.out.put((self.me.id, self.action, None))
+        if self.action == "die_mid_push":
+            _exit(self.out, code=3)
+        time.sleep(3600)
 
 
 def _member(port: int, member_id: str, layout: list, actions: list[str], out) -> None:
-    """A receiver process. actions: join | recv | die_in_load | hang_in_load | recv_expect_excluded."""
+    """A receiver process. actions: join | recv | recv_any | die_mid_push | hang_mid_push."""
     torch.set_num_threads(1)
     try:
         model = {n: torch.zeros_like(t.contiguous()) for n, t in make_params(0).items()}
@@ -85,16 +101,10 @@ def _member(port: int, member_id: str, layout: list, actions: list[str], out) ->
             elif action == "recv":
                 got = rx.receive(load, timeout_s=SPAWN_S)
                 out.put((member_id, "received", (got.version, got.epoch, digest(model), got.metrics)))
-            elif action in ("die_in_load", "hang_in_load"):
-                def bad_load(it, action=action):
-                    next(it)  # the first bucket arrived: we are mid-push
-                    out.put((member_id, action, None))
-                    if action == "die_in_load":
-                        out.close()
-                        out.join_thread()
-                        os._exit(3)
-                    time.sleep(3600)
-                rx.receive(bad_load, timeout_s=SPAWN_S)
+            elif action in ("die_mid_push", "hang_mid_push"):
+                rx.__class__ = _BreaksMidPush  # same state; its transfer stops after the first bucket
+                rx.action, rx.out = action, out
+                rx.receive(load, timeout_s=SPAWN_S)
             elif action == "recv_any":
                 try:
                     got = rx.receive(load, timeout_s=SPAWN_S)
@@ -198,6 +208,8 @@ def test_versions_round_trip_every_dtype_to_two_receivers(members):
             assert (got_version, epoch) == (version, 0)
             assert got == digest(params), f"{mid} got different bytes for version {version}"
             assert rx_metrics["sync/pause_s"] >= rx_metrics["sync/transfer_s"] >= 0
+        live = sender.wait_live(SPAWN_S)  # both applied it (they reported "received" after apply)
+        assert set(live) == {"gen0", "gen1"} and all(isinstance(t, float) for t in live.values()), live
     assert sender.version == 2
     for mid in ("gen0", "gen1"):
         members.wait_for(mid, "done")
@@ -206,8 +218,8 @@ def test_versions_round_trip_every_dtype_to_two_receivers(members):
 def test_dead_and_hung_receivers_are_named_then_group_rebuilt_and_late_joiner_served(members):
     sender = Sender(layout_from_wire(layout_wire()), HOST, free_port(), timeout_s=PUSH_TIMEOUT_S, slice_s=0.1)
     members.start(sender.port, "gen0", ["join", "recv", "recv_any", "recv", "recv_any", "recv"])
-    members.start(sender.port, "gen1", ["join", "recv", "die_in_load"])
-    members.start(sender.port, "gen2", ["join", "recv", "recv_any", "recv", "hang_in_load"])
+    members.start(sender.port, "gen1", ["join", "recv", "die_mid_push"])
+    members.start(sender.port, "gen2", ["join", "recv", "recv_any", "recv", "hang_mid_push"])
     sender.form(["gen0", "gen1", "gen2"], timeout_s=SPAWN_S)
     sender.push(make_params(1), 1)
     for mid in ("gen0", "gen1", "gen2"):
@@ -218,7 +230,7 @@ def test_dead_and_hung_receivers_are_named_then_group_rebuilt_and_late_joiner_se
     with pytest.raises(PushError) as info:
         sender.push(make_params(2), 2)
     elapsed = time.monotonic() - t0
-    members.wait_for("gen1", "die_in_load")
+    members.wait_for("gen1", "die_mid_push")
     assert elapsed < PUSH_TIMEOUT_S + 2.0, f"failure took {elapsed:.1f}s to surface"
     err = info.value
     assert err.failed_members == ["gen1"], str(err)
@@ -240,13 +252,13 @@ def test_dead_and_hung_receivers_are_named_then_group_rebuilt_and_late_joiner_se
         version, epoch, got, _ = members.wait_for(mid, "received")
         assert (version, epoch, got) == (2, 1, digest(make_params(2)))
 
-    # v3: gen2 hangs inside its load (alive, silent). Named as missing; gen0 is not blamed.
+    # v3: gen2 hangs mid-push (alive, silent). Named as missing; gen0 is not blamed.
     t0 = time.monotonic()
     with pytest.raises(PushError) as info:
         sender.push(make_params(3), 3)
     assert time.monotonic() - t0 < PUSH_TIMEOUT_S + 2.0
     assert info.value.missing == ["gen2"] and info.value.failed_members == ["gen2"], str(info.value)
-    members.wait_for("gen2", "hang_in_load")
+    members.wait_for("gen2", "hang_mid_push")
     members.wait_any("gen0", ("received", "recv_failed"))
     sender.drop(["gen2"])
 

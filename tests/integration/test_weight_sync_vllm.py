@@ -9,11 +9,11 @@ sender is this process. Versions pushed, in order:
     v2  fp32, perturbed again, with the refresh                   -> max |logp difference| < 1e-4
     v3  bf16 tensors on the wire (a bf16 learner), loaded into the fp32 engine, compared with the fp32
         forward of the same bf16 values                           -> max |logp difference| < 1e-4
+    v4  fp16 tensors on the wire (an fp16 learner), likewise      -> max |logp difference| < 1e-4
 
-bf16 travels into an fp32 engine rather than into a bf16 engine: bf16 -> fp32 is exact, so the tight
-fp32 tolerance still detects a single wrong byte on the wire, and the conversion in vLLM's weight
-loaders (``copy_``) is exercised too. A bf16 engine would compute in bf16 and need a tolerance of
-~1e-2, under which small corruptions would hide; it would also cost a second engine start.
+bf16 and fp16 travel into an fp32 engine here: bf16/fp16 -> fp32 is exact, so the tight fp32 tolerance
+still detects a single wrong byte on the wire, and the conversion in vLLM's weight loaders (``copy_``) is
+exercised too. Engines that compute in bf16 and fp16 are in test_weight_sync_dtypes.py.
 """
 
 from __future__ import annotations
@@ -42,14 +42,14 @@ TIMEOUT_S = 60.0
 BUCKET_BYTES = 256 << 10  # several buckets for a ~0.5 M-parameter model
 
 
-def _engine(model_dir: str, port: int, layout: list, cmds, out) -> None:
+def _engine(model_dir: str, port: int, layout: list, cmds, out, dtype: str = "float32") -> None:
     os.environ.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
                        "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1",
                        "TOKENIZERS_PARALLELISM": "false", "VLLM_LOGGING_LEVEL": "ERROR"})
     try:
         from vllm import LLM, SamplingParams
 
-        llm = LLM(model=model_dir, dtype="float32", enforce_eager=True, max_model_len=64, seed=0,
+        llm = LLM(model=model_dir, dtype=dtype, enforce_eager=True, max_model_len=64, seed=0,
                   worker_extension_cls="async_rlhf.generator.worker_ext.WeightSyncWorker")
         llm.collective_rpc("init_receiver", args=(HOST, port, "gen0", layout, "gloo", TIMEOUT_S))
         out.put(("epoch", llm.collective_rpc("join_push_group", args=(ENGINE_START_S,))[0]))
@@ -176,7 +176,20 @@ def test_vllm_receives_pushed_weights_fp32_and_bf16_with_tied_lm_head(tmp_path: 
         assert bf16 < 1e-4, f"max |logp diff| {bf16:.2e} after a bf16 push"
         assert max_diff(ref, reference_logprobs(model, v2, seqs)) > 1e-2  # so the match is v3, not v2 kept
 
-        print(f"max |logp diff|: no refresh {stale:.3g}, fp32 {fresh:.3g}, bf16 {bf16:.3g}; receiver timings (ms): "
+        # v4: fp16 on the wire into the fp32 engine
+        v4 = {n: t.to(torch.float16) for n, t in perturbed(base, 4).items()}
+        fp16_layout = layout_of(v4)
+        assert {b["dtype"] for b in fp16_layout} == {"float16"}
+        sender.use_layout(layout_from_wire(fp16_layout))
+        cmds.put(("layout", fp16_layout))
+        expect(out, "layout")
+        ref = reference_logprobs(model, v4, seqs)
+        fp16 = max_diff(push(v4, 4, refresh=True), ref)
+        assert fp16 < 1e-4, f"max |logp diff| {fp16:.2e} after an fp16 push"
+        assert max_diff(ref, reference_logprobs(model, v3, seqs)) > 1e-2
+
+        print(f"max |logp diff|: no refresh {stale:.3g}, fp32 {fresh:.3g}, bf16 {bf16:.3g}, fp16 {fp16:.3g}; "
+              "receiver timings (ms): "
               + "; ".join(", ".join(f"{k.removeprefix('sync/')} {v * 1e3:.1f}" for k, v in t.items() if "_s" in k)
                           for t in timings))
         cmds.put(("quit", None))

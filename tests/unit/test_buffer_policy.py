@@ -1,5 +1,6 @@
 """Sampling policies, the capacity bound, redelivery and metrics of BufferLogic (memory store)."""
 
+import msgpack
 import pytest
 
 from async_rlhf.buffer.logic import BufferLogic
@@ -18,8 +19,8 @@ def logic(policy="fifo", capacity=0, max_staleness=10, visibility=600.0) -> Buff
                        policy=policy, visibility_timeout_s=visibility)
 
 
-def ids(groups) -> list[str]:
-    return [g["group_id"] for g in groups]
+def ids(groups: list[bytes]) -> list[str]:
+    return [msgpack.unpackb(g)["group_id"] for g in groups]
 
 
 def test_fifo_and_freshest_order():

@@ -87,13 +87,13 @@ def test_round_trip(service):
     s = c.stats(ledger=True)
     assert s["buffer/version"] == 1
     assert s["buffer/put"] == 2
-    assert s["buffer/duplicate_put"] == 1
+    assert s["buffer/duplicates"] == 1
     assert s["buffer/duplicate_ack"] == 1
     assert s["buffer/trained"] == 2
     assert s["buffer/admitted"] == 8
     assert s["buffer/running"] == 8 - 2 - 3
     assert s["buffer/depth"] == 0
-    assert s["ledger"] == {"held": [], "delivered": [], "trained": ["g0", "g1"], "dropped": {}}
+    assert s["ledger"] == {"held": [], "awaiting_reward": [], "delivered": [], "trained": ["g0", "g1"], "dropped": {}}
     assert "kind" not in s and "req_id" not in s
 
 

@@ -36,12 +36,21 @@ def _classifier_dir(tmp_path: Path) -> Path:
         (("--config", "/nonexistent/run.yaml"), "cannot read config file"),
         (("--config", "{bad_yaml}"), "not valid YAML"),
         (("train.steps=many",), "wants an integer"),
+        (("--address", "127.0.0.1:1"), "--address 127.0.0.1:1 is unreachable"),
+        (("--resume", "{not_ckpt}"), "is not a checkpoint"),
+        (("--resume", "/nonexistent/run"), "no such directory"),
+        (("resources.generator_gpus=1",), "more resources than the cluster has (GPU: the plan needs 2"),
+        (("run.num_cpus=2", "--generators", "3"), "CPU: the plan needs 4, this machine has 2"),
+        (("scale", "--run-dir", "{not_ckpt}", "--generators", "2"), "no run with a control endpoint"),
+        (("scale", "--run-dir", "{not_ckpt}", "--generators", "0"), "--generators must be at least 1"),
     ],
 )
 def test_bad_input_fails_fast_with_one_line(tmp_path: Path, args: tuple[str, ...], expected: str) -> None:
     bad_yaml = tmp_path / "bad.yaml"
     bad_yaml.write_text("train: [unclosed\n")
-    fmt = {"classifier": str(_classifier_dir(tmp_path)), "bad_yaml": str(bad_yaml)}
+    not_ckpt = tmp_path / "not_a_checkpoint"
+    not_ckpt.mkdir()
+    fmt = {"classifier": str(_classifier_dir(tmp_path)), "bad_yaml": str(bad_yaml), "not_ckpt": str(not_ckpt)}
     t0 = time.monotonic()
     proc = launch(*(a.format(**fmt) for a in args), cwd=tmp_path)
     assert proc.returncode == 2
@@ -50,3 +59,27 @@ def test_bad_input_fails_fast_with_one_line(tmp_path: Path, args: tuple[str, ...
     assert lines[0].startswith("error: ") and expected in lines[0], lines[0]
     assert time.monotonic() - t0 < 30
     assert not (tmp_path / "runs").exists(), "a refused run must not start anything or write a run directory"
+
+
+def test_dry_run_prints_the_plan_for_16_and_16_without_starting_anything(tmp_path: Path) -> None:
+    proc = launch("--dry-run", "--generators", "16", "--learners", "16", "resources.generator_cpus=2",
+                  "resources.learner_cpus=3", "resources.buffer_cpus=1", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    plan = json.loads(proc.stdout.split("plan (JSON): ", 1)[1])
+    counts = {r["role"]: r["count"] for r in plan["roles"]}
+    assert counts == {"generators": 16, "learners": 16, "buffer": 1}
+    assert plan["totals"] == {"CPU": 16 * 2 + 16 * 3 + 1, "GPU": 0}
+    assert sum(r["totals"]["CPU"] for r in plan["roles"]) == plan["totals"]["CPU"]
+    total_row = next(line for line in proc.stdout.splitlines() if line.startswith("total")).split()
+    assert total_row[1:] == ["33", "81", "0"]
+    assert not (tmp_path / "runs").exists(), "a dry run must not write a run directory"
+
+
+def test_resume_refuses_steps_already_done(tmp_path: Path) -> None:
+    ckpt = tmp_path / "run" / "checkpoints" / "step-000005"
+    for part in ("deepspeed", "policy"):
+        (ckpt / part).mkdir(parents=True)
+    (ckpt / "checkpoint.json").write_text(json.dumps({"format": 1, "step": 5, "version": 5, "data": {}}))
+    proc = launch("--resume", str(tmp_path / "run"), "train.steps=5", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "checkpoint is at step 5 and train.steps is 5; raise train.steps" in proc.stderr

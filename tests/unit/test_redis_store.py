@@ -96,11 +96,11 @@ def test_redis_store_matches_memory_store_and_reloads_after_every_step(store: Re
 def test_put_is_idempotent_at_the_script_level(store: RedisStore):
     """A put whose reply was lost is retried; the script must not add a second entry."""
     g = make_group("once").to_wire()
-    args = ["once", 0, 1, 5, b"payload", GROUP, HELD_CONSUMER]
+    args = [GROUP, HELD_CONSUMER, 1, "once", 0, 1, 5]
     keys = [store.k_stream, store.k_ids, store.k_meta]
     sid1 = store._put(keys, args)
     sid2 = store._put(keys, args)
-    assert sid1 == sid2
+    assert sid1 == sid2 and len(sid1) == 1
     assert store.r.xlen(store.k_stream) == 1
     assert store.r.xpending(store.k_stream, GROUP)["consumers"] == [{"name": HELD_CONSUMER.encode(), "pending": 1}]
     assert g["group_id"] == "once"

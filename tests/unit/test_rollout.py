@@ -1,101 +1,85 @@
-"""RolloutTracker: streamed deltas become samples whose tokens carry the version that made them."""
+"""EnginePolicy: engine deltas become turns whose tokens carry the version that made them."""
+
+import asyncio
 
 import numpy as np
 import pytest
 
-from async_rlhf.generator.rollout import GroupInProgress, RolloutTracker
+from async_rlhf.env.base import Trajectory
+from async_rlhf.generator.rollout import EnginePolicy, to_group
 from async_rlhf.types import Group
 
 
-def new_group(gid="g1", n=2, start_version=3) -> GroupInProgress:
-    return GroupInProgress(gid, [101, 102, 103], n, {"problem": "1+2"}, start_version)
+class Engine:
+    """Records add_request calls (the policy's only way to reach an engine)."""
+
+    def __init__(self) -> None:
+        self.requests: dict[str, tuple[list[int], int]] = {}
+
+    def add(self, rid: str, context: list[int], max_tokens: int) -> None:
+        self.requests[rid] = (context, max_tokens)
 
 
-def test_start_returns_request_ids():
-    tracker = RolloutTracker()
-    assert tracker.start(new_group("gen0/7", n=3)) == ["gen0/7/0", "gen0/7/1", "gen0/7/2"]
-    assert len(tracker) == 1
+def make_policy(engine: Engine, max_new_tokens: int = 4, max_model_len: int = 16) -> EnginePolicy:
+    return EnginePolicy(engine.add, lambda t: [ord(c) for c in t], lambda ids: "".join(map(chr, ids)),
+                        max_new_tokens, max_model_len)
 
 
-def test_deltas_versions_and_completion():
-    tracker = RolloutTracker()
-    rids = tracker.start(new_group("g1", n=2, start_version=3))
-    tracker.start(new_group("other", n=1))
-    assert len(tracker) == 2
-    # step 1 at version 3
-    assert tracker.on_output(rids[0], [11, 12], [-0.1, -0.2], 3, None) is None
-    assert tracker.on_output(rids[1], [21], [-1.0], 3, None) is None
-    # a weight update lands: version 4 from here on
-    assert tracker.on_output(rids[0], [13], [-0.3], 4, None) is None
-    assert tracker.on_output(rids[1], [22, 23], [-2.0, -3.0], 4, None) is None
-    # sample 0 finishes; the group is not complete yet
-    assert tracker.on_output(rids[0], [14], [-0.4], 4, "stop") is None
-    assert len(tracker) == 2
-    # version 5, then sample 1 finishes on the length limit
-    done = tracker.on_output(rids[1], [24], [-4.0], 5, "length")
-    assert done is not None and done.group_id == "g1"
-    assert len(tracker) == 1 and "g1" not in tracker.groups
-    assert done.tokens == [[11, 12, 13, 14], [21, 22, 23, 24]]
-    assert done.logprobs == [[-0.1, -0.2, -0.3, -0.4], [-1.0, -2.0, -3.0, -4.0]]
-    assert done.versions == [[3, 3, 4, 4], [3, 4, 4, 5]]
-    assert done.finish == ["stop", "length"]
+def test_turn_collects_deltas_with_versions_across_a_weight_swap():
+    async def scenario() -> None:
+        engine = Engine()
+        policy = make_policy(engine)
+        task = asyncio.ensure_future(policy.generate([1, 2, 3]))
+        await asyncio.sleep(0)
+        (rid,) = engine.requests
+        assert engine.requests[rid] == ([1, 2, 3], 4) and policy.owns(rid) and len(policy) == 1
+        policy.on_output(rid, [11, 12], [-0.1, -0.2], 3, None)
+        policy.on_output(rid, [13], [-0.3], 4, None)  # a weight update landed between two steps
+        assert not task.done()
+        policy.on_output(rid, [14], [-0.4], 4, "stop")
+        turn = await task
+        assert turn.token_ids == [11, 12, 13, 14] and turn.versions == [3, 3, 4, 4]
+        assert turn.logprobs == [-0.1, -0.2, -0.3, -0.4] and turn.finish_reason == "stop"
+        assert len(policy) == 0 and not policy.owns(rid)
+        with pytest.raises(ValueError, match="2 tokens but 1 logprobs"):
+            t2 = asyncio.ensure_future(policy.generate([1]))
+            await asyncio.sleep(0)
+            policy.on_output(list(policy.requests)[0], [1, 2], [-1.0], 0, None)
+        t2.cancel()
 
-    g = done.to_group([1.0, 0.0], generator=5)
-    assert isinstance(g, Group)
-    assert g.group_id == "g1" and g.generator == 5
-    np.testing.assert_array_equal(g.prompt_ids, [101, 102, 103])
-    assert g.prompt_ids.dtype == np.int32
-    s0, s1 = g.samples
-    np.testing.assert_array_equal(s0.completion_ids, [11, 12, 13, 14])
-    np.testing.assert_allclose(s1.logprobs, [-1.0, -2.0, -3.0, -4.0])
-    np.testing.assert_array_equal(s0.versions, [3, 3, 4, 4])
-    np.testing.assert_array_equal(s1.versions, [3, 4, 4, 5])
+    asyncio.run(scenario())
+
+
+def test_turn_length_is_capped_by_the_context_window():
+    async def scenario() -> None:
+        engine = Engine()
+        policy = make_policy(engine, max_new_tokens=4, max_model_len=10)
+        task = asyncio.ensure_future(policy.generate(list(range(8))))
+        await asyncio.sleep(0)
+        assert list(engine.requests.values())[0][1] == 2
+        full = await policy.generate(list(range(10)))  # no room: no request at all
+        assert full.token_ids == [] and full.finish_reason == "length" and len(engine.requests) == 1
+        assert policy.cancel_all() == list(engine.requests)
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(scenario())
+
+
+def test_to_group_builds_the_buffer_record():
+    traj = Trajectory()
+    from async_rlhf.env.base import Turn
+
+    traj.add_turn(Turn([5, 6], [-0.5, -0.6], [2, 3], "length"), "ab")
+    g = to_group("g1", [101, 102], [traj, traj], [1.0, 0.0], generator=5, meta={"answer": "3"}, start_version=2,
+                 t_start=0.0)
+    assert isinstance(g, Group) and g.generator == 5 and g.meta == {"answer": "3", "start_version": 2}
+    np.testing.assert_array_equal(g.prompt_ids, [101, 102])
+    assert [s.reward for s in g.samples] == [1.0, 0.0]
+    s0 = g.samples[0]
     assert (s0.completion_ids.dtype, s0.logprobs.dtype, s0.versions.dtype) == (np.int32, np.float32, np.int32)
-    assert (s0.reward, s1.reward) == (1.0, 0.0)
-    assert (s0.finish_reason, s1.finish_reason) == ("stop", "length")
-    assert g.meta == {"problem": "1+2", "start_version": 3}
-    assert g.min_version == 3
-    assert g.num_tokens == 8
-    assert g.t_end >= g.t_start
-    # the wire form survives validation
-    assert Group.from_wire(g.to_wire()).min_version == 3
-
-
-def test_min_version_is_the_oldest_token_not_the_start_version():
-    tracker = RolloutTracker()
-    rids = tracker.start(new_group("g", n=2, start_version=2))
-    tracker.on_output(rids[0], [1], [-0.5], 4, None)   # the first step ran after two updates
-    tracker.on_output(rids[1], [2, 3], [-0.5, -0.5], 5, "stop")
-    done = tracker.on_output(rids[0], [4], [-0.5], 6, "stop")
-    g = done.to_group([0.0, 1.0], generator=0)
-    assert g.min_version == 4
-    np.testing.assert_array_equal(g.samples[0].versions, [4, 6])
-
-
-def test_finish_with_no_new_tokens_and_empty_completion():
-    tracker = RolloutTracker()
-    rids = tracker.start(new_group("g", n=2, start_version=7))
-    tracker.on_output(rids[0], [5, 6], [-0.1, -0.1], 7, None)
-    assert tracker.on_output(rids[0], [], [], 8, "stop") is None
-    done = tracker.on_output(rids[1], [], [], 8, "abort")
-    g = done.to_group([0.5, 0.0], generator=1)
-    np.testing.assert_array_equal(g.samples[0].versions, [7, 7])
-    assert len(g.samples[1].completion_ids) == 0
-    assert g.samples[1].finish_reason == "abort"
-    assert g.min_version == 7
-
-
-def test_mismatched_delta_is_refused():
-    tracker = RolloutTracker()
-    rids = tracker.start(new_group("g", n=1))
-    with pytest.raises(ValueError, match="2 tokens but 1 logprobs"):
-        tracker.on_output(rids[0], [1, 2], [-0.1], 0, None)
-    assert tracker.groups["g"].tokens == [[]]
-
-
-def test_group_ids_containing_slashes():
-    tracker = RolloutTracker()
-    rids = tracker.start(new_group("gen1/step/9", n=1))
-    done = tracker.on_output(rids[0], [3], [-0.2], 1, "stop")
-    assert done.group_id == "gen1/step/9"
-    assert len(tracker) == 0
+    np.testing.assert_array_equal(s0.versions, [2, 3])
+    assert s0.token_rewards is None and s0.loss_mask.tolist() == [1, 1]  # single turn: nothing extra on the wire
+    assert Group.from_wire(g.to_wire()).samples[1].reward == 0.0
+    with pytest.raises(ValueError, match="1 rewards for 2 trajectories"):
+        to_group("g1", [1], [traj, traj], [1.0], 0, {}, 0, 0.0)

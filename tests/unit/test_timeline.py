@@ -32,3 +32,12 @@ def test_role_busy_fraction_uses_the_role_kind() -> None:
     generator = {"role": "generator 0", "totals": {"generate": 9.0, "wait_admission": 1.0}}
     assert role_busy_fraction(learner) == pytest.approx(0.5)
     assert role_busy_fraction(generator) == pytest.approx(0.9)
+
+
+def test_busy_fraction_between_clips_intervals_to_the_window() -> None:
+    from async_rlhf.timeline import busy_fraction_between
+
+    intervals = [("generate", 0.0, 4.0), ("wait_admission", 4.0, 5.0), ("generate", 5.0, 10.0)]
+    assert busy_fraction_between(intervals, ("generate",), 2.0, 6.0) == pytest.approx(3.0 / 4.0)
+    assert busy_fraction_between(intervals, ("generate",), 8.0, 12.0) == pytest.approx(2.0 / 4.0)  # ran out
+    assert busy_fraction_between(intervals, ("generate",), 5.0, 5.0) == 0.0

@@ -291,3 +291,52 @@ def test_group_and_sample_from_wire_reject_non_maps(obj):
         Group.from_wire(obj)
     with pytest.raises(WireError):
         Sample.from_wire(obj)
+
+
+# -- multi-turn fields: loss_mask and token_rewards ------------------------------------------------
+def test_loss_mask_defaults_to_ones_and_is_absent_on_the_wire():
+    s = _sample([1, 2, 3], [0, 0, 0])
+    assert s.loss_mask.dtype == np.uint8 and s.loss_mask.tolist() == [1, 1, 1] and s.token_rewards is None
+    w = s.to_wire()
+    assert "loss_mask" not in w and "token_rewards" not in w  # old readers see the old message
+    back = Sample.from_wire(w)
+    assert back.loss_mask.tolist() == [1, 1, 1] and back.token_rewards is None
+
+
+def test_loss_mask_and_token_rewards_round_trip():
+    s = _sample([1, 2, 3, 4], [0, 0, 1, 1])
+    s.loss_mask = np.array([1, 0, 0, 1], np.uint8)  # tokens 2-3: an environment observation
+    s.token_rewards = np.array([0, 0.5, 0, 1.0], np.float32)
+    back = Sample.from_wire(decode(encode("reply", s=s.to_wire()), MAX)["s"])
+    assert back.loss_mask.dtype == np.uint8 and back.loss_mask.tolist() == [1, 0, 0, 1]
+    assert back.token_rewards.dtype == np.float32 and back.token_rewards.tolist() == [0, 0.5, 0, 1.0]
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("loss_mask", np.ones(2, np.uint8), "one length"),
+    ("token_rewards", np.zeros(4, np.float32), "one length"),
+    ("loss_mask", np.array([1, 2, 1], np.uint8), "zeros and ones"),
+    ("loss_mask", np.ones(3, np.int32), "uint8"),
+    ("token_rewards", np.zeros(3, np.float64), "float32"),
+])
+def test_bad_multi_turn_fields_are_refused_by_the_sample_and_the_buffer_envelope(field, value, match):
+    from async_rlhf.buffer.envelope import inspect_group
+
+    g = _group()
+    w = g.to_wire()
+    w["samples"][0][field] = pack_array(value)
+    with pytest.raises(WireError, match=match):
+        Sample.from_wire(w["samples"][0])
+    with pytest.raises(WireError, match=match):
+        inspect_group(w)
+
+
+def test_envelope_agrees_with_the_group():
+    from async_rlhf.buffer.envelope import inspect_group
+
+    g = _group()
+    g.samples[0].loss_mask = np.array([1, 0, 1], np.uint8)
+    g.samples[1].token_rewards = np.array([0, 0, 0, 1], np.float32)
+    env = inspect_group(g.to_wire())
+    assert (env.group_id, env.min_version, env.num_samples, env.num_tokens) == ("gen0-17", 3, 2, 7)
+    assert Group.from_wire(g.to_wire()).min_version == env.min_version

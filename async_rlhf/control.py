@@ -1,0 +1,314 @@
+"""The generator fleet while training runs: scale it, restart what died, re-issue what was in flight.
+
+    driver progress loop, every ~0.5 s:  fleet.poll()
+      scale request pending?   more: start gen k, late-join the push group (current weights first), run
+                               fewer: stop(drain=True) the newest; once its groups are put, kill it
+      a run() ref failed?      Ray restarted the actor (max_restarts): wait until it is up, re-join late
+                               under a new member id, re-issue its in-flight prompts, count the restart
+
+Requests come from :meth:`Fleet.request_scale` (Python) or from the control endpoint, a ZeroMQ REP socket
+on loopback whose address the driver writes to ``run_dir/control.json``:
+
+    python launch/cluster.py scale --run-dir runs/demo --generators 2
+
+Messages are JSON objects (never pickled): ``{"op": "scale", "generators": 2}``, ``{"op": "stop"}`` (end the
+run early with a checkpoint) or ``{"op": "status"}``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from async_rlhf.prompt_ledger import PromptLedger
+
+log = logging.getLogger(__name__)
+
+CONTROL_FILE = "control.json"
+MAX_GENERATORS = 4096
+RESTART_TIMEOUT_S = 300.0
+
+
+class Fleet:
+    """The live generators of one run; every method runs on the driver's progress thread except
+    :meth:`request_scale` and :meth:`status` (any thread)."""
+
+    def __init__(self, cluster: Any, ledger: PromptLedger, buffer_client: Any, version: int | None = None) -> None:
+        self.cluster = cluster
+        self.ledger = ledger
+        self.buffer_client = buffer_client
+        self.version = version
+        self.handles: dict[int, Any] = dict(enumerate(cluster.generators))
+        self.runs: dict[int, Any] = {}
+        self.draining: dict[int, Any] = {}
+        self.final_stats: dict[int, dict[str, Any]] = {}
+        self.last_stats: dict[int, dict[str, Any]] = {}
+        self.incarnation: Counter[int] = Counter()
+        self._joined_at: dict[int, float] = {}
+        self.counters: Counter[str] = Counter()
+        self.events: list[dict[str, Any]] = []
+        self._target: int | None = None
+        self.stop_requested = threading.Event()
+        self._lock = threading.Lock()
+
+    # -- requests (any thread) ----------------------------------------------------------------
+    def request_scale(self, generators: int) -> None:
+        if not 1 <= int(generators) <= MAX_GENERATORS:
+            raise ValueError(f"--generators must be between 1 and {MAX_GENERATORS}, got {generators}")
+        with self._lock:
+            self._target = int(generators)
+
+    def request_stop(self) -> None:
+        """End the run early: learners stop at a common step boundary and write a final checkpoint."""
+        self.stop_requested.set()
+
+    def status(self) -> dict[str, Any]:
+        with self._lock:
+            return {"generators": sorted(self.handles), "draining": sorted(self.draining),
+                    "target": self._target, **{f"fleet/{k}": v for k, v in self.counters.items()}}
+
+    def metrics(self) -> dict[str, float]:
+        with self._lock:
+            return {"fleet/generators": float(len(self.handles) - len(self.draining)),
+                    **{f"fleet/{k}": float(v) for k, v in self.counters.items()}}
+
+    # -- driver thread ------------------------------------------------------------------------
+    def start(self) -> None:
+        """Give every generator its stream position (a resumed run continues its data) and start it."""
+        # a durable (Redis) buffer may still hold groups of the run being resumed: those are not issued
+        # again; groups it saw trained after the checkpoint were rolled back with the model and are
+        in_buffer = self._buffer_keys(trained=False)
+        for gen, handle in self.handles.items():
+            self._start_stream(gen, handle, in_buffer)
+
+    def _buffer_keys(self, trained: bool = True) -> list[str]:
+        """Groups the buffer holds, has delivered or (``trained``) saw trained: never issued again (trained
+        ones may not have reached the ledger yet, which learns of them a poll later)."""
+        ledger = self.buffer_client.stats(ledger=True)["ledger"]
+        return [*ledger["held"], *ledger["delivered"], *(ledger["trained"] if trained else [])]
+
+    def _start_stream(self, gen: int, handle: Any, in_buffer: list[str] | None = None) -> None:
+        import ray
+
+        plan = self.ledger.plan(gen, self._buffer_keys() if in_buffer is None else in_buffer)
+        ray.get(handle.resume_stream.remote(plan.position, plan.reissue, plan.skip, self.version))
+        self.runs[gen] = handle.run.remote()
+        if plan.reissue:
+            self.counters["reissued_prompts"] += len(plan.reissue)
+        if plan.reissue or plan.skip:
+            self._event("reissue", gen, prompts=len(plan.reissue), skipped=len(plan.skip), position=plan.position)
+
+    def _event(self, kind: str, gen: int, **extra: Any) -> None:
+        self.events.append({"event": kind, "generator": gen, "time": time.time(), **extra})
+        log.warning("fleet: %s generator %d %s", kind, gen, extra or "")
+
+    def observe(self, stats: dict[int, dict[str, Any]]) -> None:
+        for gen, s in stats.items():
+            self.last_stats[gen] = s
+            self.ledger.observe_position(gen, int(s.get("position", 0)))
+
+    def poll(self) -> None:
+        """Apply a pending scale request and handle generators whose run() ended."""
+        import ray
+
+        with self._lock:
+            target, self._target = self._target, None
+        if target is not None:
+            self._scale_to(target)
+        refs = {ref: gen for gen, ref in self.runs.items()}
+        if not refs:
+            return
+        done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
+        for ref in done:
+            gen = refs[ref]
+            del self.runs[gen]
+            try:
+                self.final_stats[gen] = ray.get(ref)
+            except ray.exceptions.RayActorError as exc:
+                self._restart(gen, exc)
+                continue
+            if gen in self.draining:  # scaled down: every group it started is in the buffer now
+                handle = self.draining.pop(gen)
+                self.ledger.observe_position(gen, int(self.final_stats[gen].get("position", 0)))
+                ray.kill(handle)
+                with self._lock:
+                    self.handles.pop(gen, None)
+                self.counters["removed"] += 1
+                self._event("removed", gen)
+
+    def _scale_to(self, target: int) -> None:
+        import ray
+
+        live = sorted(g for g in self.handles if g not in self.draining)
+        for gen in live[target:][::-1]:
+            ray.get(self.handles[gen].stop.remote(drain=True))
+            self.draining[gen] = self.handles[gen]
+            self._event("draining", gen)
+        free = (g for g in range(MAX_GENERATORS) if g not in self.handles)
+        for _ in range(target - len(live)):
+            gen = next(free)
+            t0 = time.time()
+            handle = self.cluster.new_generator(gen)
+            ray.get(handle.ready.remote())
+            self._join(gen, handle)
+            with self._lock:
+                self.handles[gen] = handle
+            self.counters["added"] += 1
+            self._event("added", gen, start_s=round(time.time() - t0, 1))
+
+    def _join(self, gen: int, handle: Any) -> None:
+        """Late join under a fresh member id: the generator loads the next version before it serves."""
+        self.incarnation[gen] += 1
+        self._joined_at[gen] = time.monotonic()
+        self.cluster.join_late(f"gen{gen}.{self.incarnation[gen]}", handle)
+        self._start_stream(gen, handle)
+
+    def heal(self, learner_version: int) -> None:
+        """Re-join a live generator the push group dropped (a push timed out on it under load): one that
+        lags the learner by more than the staleness bound can never serve again, and waits forever."""
+        cfg = self.cluster.cfg
+        for gen, handle in list(self.handles.items()):
+            lag = learner_version - int(self.last_stats.get(gen, {}).get("version", learner_version))
+            recent = time.monotonic() - self._joined_at.get(gen, 0.0) < 3 * cfg.sync.timeout_s
+            if gen in self.draining or gen not in self.runs or recent or lag <= cfg.train.max_staleness + 2:
+                continue
+            self.incarnation[gen] += 1
+            self._joined_at[gen] = time.monotonic()
+            self.cluster.join_late(f"gen{gen}.{self.incarnation[gen]}", handle)
+            self.counters["rejoins"] += 1
+            self._event("rejoined", gen, lag=lag)
+
+    def _restart(self, gen: int, exc: Exception) -> None:
+        import ray
+
+        handle = self.handles[gen]
+        was_draining = self.draining.pop(gen, None) is not None
+        lost_slots = int(self.last_stats.get(gen, {}).get("in_flight", 0))
+        self._event("died", gen, error=type(exc).__name__, in_flight=lost_slots,
+                    position=self.ledger.positions.get(gen, 0),
+                    outstanding=len(self.ledger.outstanding.get(gen, ())))
+        if not _wait_restarted(handle, RESTART_TIMEOUT_S):
+            with self._lock:
+                self.handles.pop(gen, None)
+            self.counters["lost"] += 1
+            self._event("lost", gen)
+            return
+        if lost_slots:  # the admission slots it held died with it; its re-issued prompts are admitted anew
+            self.buffer_client.release(lost_slots)
+        self.counters["restarts"] += 1
+        self._event("restarted", gen)
+        self._join(gen, handle)
+        if was_draining:
+            ray.get(handle.stop.remote(drain=True))
+            self.draining[gen] = handle
+
+    def stop_all(self) -> list[dict[str, Any]]:
+        import ray
+
+        for handle in self.handles.values():
+            handle.stop.remote()
+        for gen, ref in list(self.runs.items()):
+            try:
+                self.final_stats[gen] = ray.get(ref)
+            except ray.exceptions.RayError as exc:
+                log.error("generator %d ended with %s", gen, exc)
+        self.runs.clear()
+        for gen, s in self.final_stats.items():
+            self.ledger.observe_position(gen, int(s.get("position", 0)))
+        return [self.final_stats[g] for g in sorted(self.final_stats) if g in self.handles]
+
+
+class ControlServer:
+    """ZeroMQ REP on loopback answering scale and status requests for one :class:`Fleet`."""
+
+    def __init__(self, fleet: Fleet, run_dir: Path, host: str = "127.0.0.1") -> None:
+        import zmq
+
+        self.fleet = fleet
+        self._ctx = zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.REP)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        port = self._sock.bind_to_random_port(f"tcp://{host}")
+        self.address = f"tcp://{host}:{port}"
+        self.file = run_dir / CONTROL_FILE
+        self.file.write_text(json.dumps({"address": self.address, "pid": _pid()}))
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="control", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            if not self._sock.poll(200):
+                continue
+            raw = self._sock.recv()
+            try:
+                reply = self._handle(json.loads(raw.decode()))
+            except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+                reply = {"ok": False, "error": str(exc)}
+            self._sock.send(json.dumps(reply).encode())
+
+    def _handle(self, msg: dict[str, Any]) -> dict[str, Any]:
+        op = msg.get("op")
+        if op == "scale":
+            self.fleet.request_scale(int(msg["generators"]))
+            return {"ok": True, "applied_at": "next progress poll (membership at the next version boundary)"}
+        if op == "stop":
+            self.fleet.request_stop()
+            return {"ok": True, "applied_at": "learners stop at the next common step, with a checkpoint"}
+        if op == "status":
+            return {"ok": True, **self.fleet.status()}
+        raise ValueError(f"unknown op {op!r}; use scale, stop or status")
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+        self._sock.close(0)
+        self.file.unlink(missing_ok=True)
+
+
+def _wait_restarted(handle: Any, timeout_s: float) -> bool:
+    """True once Ray has restarted the actor (a new engine starts); False if it is gone for good."""
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(handle.ready.remote(), timeout=min(30.0, max(1.0, deadline - time.monotonic())))
+            return True
+        except (ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
+            time.sleep(1.0)  # restarting: its process and engine are still coming up
+        except ray.exceptions.RayActorError:
+            return False  # out of restarts (run.generator_max_restarts) or killed on purpose
+    return False
+
+
+def _pid() -> int:
+    import os
+
+    return os.getpid()
+
+
+def send_control(run_dir: str | Path, msg: dict[str, Any], timeout_s: float = 10.0) -> dict[str, Any]:
+    """Client side of the endpoint; raises RuntimeError with what to check when no run answers."""
+    import zmq
+
+    f = Path(run_dir) / CONTROL_FILE
+    if not f.is_file():
+        raise RuntimeError(f"{f} not found: no run with a control endpoint is active in {run_dir}")
+    address = json.loads(f.read_text())["address"]
+    sock = zmq.Context.instance().socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    try:
+        sock.send(json.dumps(msg).encode())
+        if not sock.poll(int(timeout_s * 1000)):
+            raise RuntimeError(f"the run at {address} (from {f}) did not answer within {timeout_s:g} s; "
+                               "it may have ended")
+        return json.loads(sock.recv().decode())
+    finally:
+        sock.close(0)

@@ -1,0 +1,191 @@
+"""CPU placement on one host: which cores and how many threads every actor gets (pure, no torch or ray).
+
+On a machine shared by roles, vLLM's and DeepSpeed's thread pools would otherwise spin on the same cores
+(2 torch threads per role on 2 cores halves throughput; see DESIGN.md). The plan gives each role its own
+core set and each actor a slice of it:
+
+    cores available (os.sched_getaffinity, or run.cpus)        e.g. [0 1 2 3 4 5 6 7]
+    auto:  learner fleet gets round(C * M / (N + M)) cores    ->  learners [6 7]   generators [0 .. 5]
+           each fleet's cores are cut into one block per actor (actors share cores when there are fewer)
+           the buffer (ZeroMQ I/O, mostly idle) runs on the generator fleet's cores
+    explicit: generator.cpus=0-5  learner.cpus=6,7  buffer.cpus=all   (core ids of this host)
+
+Threads per actor come from ``generator.threads`` / ``learner.threads``; the plan flags an actor whose
+threads exceed its cores, or cores that two roles share (``oversubscribed``), but it never refuses them:
+a colocated synchronous trainer shares every core on purpose (``cpus=all``).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+AUTO = "auto"
+ALL = "all"
+
+
+class CpuSpecError(ValueError):
+    """A core list that cannot be used on this host; the message names the problem and the fix."""
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one actor runs: its cores and the size of its thread pools."""
+
+    actor: str
+    cores: tuple[int, ...]
+    threads: int
+
+
+@dataclass
+class CpuPlan:
+    available: tuple[int, ...]
+    placements: dict[str, Placement] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def oversubscribed(self) -> bool:
+        return bool(self.warnings)
+
+    def cores_of(self, role: str) -> tuple[int, ...]:
+        """Union of the cores of every actor whose name starts with ``role`` (e.g. ``generator``)."""
+        return tuple(sorted({c for p in self.placements.values() if p.actor.startswith(role) for c in p.cores}))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"available": list(self.available), "oversubscribed": self.oversubscribed,
+                "warnings": list(self.warnings),
+                "placements": {k: {**asdict(p), "cores": list(p.cores)} for k, p in self.placements.items()}}
+
+
+def parse_cores(spec: str, available: tuple[int, ...], key: str) -> tuple[int, ...]:
+    """``"0-3,6"`` -> (0, 1, 2, 3, 6); ``all`` -> every available core. Every core must be available."""
+    spec = spec.strip()
+    if spec == ALL:
+        return available
+    cores: set[int] = set()
+    for part in (p.strip() for p in spec.split(",")):
+        lo, sep, hi = part.partition("-")
+        try:
+            first, last = int(lo), int(hi) if sep else int(lo)
+        except ValueError:
+            raise CpuSpecError(f"{key}={spec!r}: {part!r} is not a core id or range; write e.g. 0-3,6, "
+                               f"'{AUTO}' or '{ALL}'") from None
+        if first < 0 or last < first:
+            raise CpuSpecError(f"{key}={spec!r}: range {part!r} is empty or negative; write low-high, e.g. 0-3")
+        cores.update(range(first, last + 1))
+    missing = sorted(cores - set(available))
+    if missing:
+        raise CpuSpecError(f"{key}={spec!r} names core(s) {missing} this process may not use; available here: "
+                           f"{list(available)} (set {key} within them, or '{AUTO}')")
+    return tuple(sorted(cores))
+
+
+def check_spec(spec: str, key: str) -> None:
+    """Syntax check at config load (the host's cores are checked when the plan is made)."""
+    if spec.strip() not in (AUTO, ALL):
+        parse_cores(spec, tuple(range(1 << 16)), key)
+
+
+def split_blocks(cores: tuple[int, ...], actors: int) -> list[tuple[int, ...]]:
+    """One contiguous block per actor (sizes differ by at most one); with fewer cores, actors share."""
+    if actors <= 0:
+        return []
+    if len(cores) < actors:
+        return [(cores[i % len(cores)],) for i in range(actors)]
+    size, extra = divmod(len(cores), actors)
+    out, start = [], 0
+    for i in range(actors):
+        n = size + (1 if i < extra else 0)
+        out.append(cores[start:start + n])
+        start += n
+    return out
+
+
+def _auto_split(available: tuple[int, ...], generators: int, learners: int) -> tuple[tuple[int, ...],
+                                                                                      tuple[int, ...]]:
+    """Generator fleet first, learner fleet on the last cores; a single core is shared."""
+    c = len(available)
+    if c == 1:
+        return available, available
+    n_learn = min(c - 1, max(1, round(c * learners / (generators + learners))))
+    return available[: c - n_learn], available[c - n_learn:]
+
+
+def plan_cpus(available: tuple[int, ...], generators: int, learners: int, *, generator_cpus: str = AUTO,
+              learner_cpus: str = AUTO, buffer_cpus: str = AUTO, generator_threads: int = 1,
+              learner_threads: int = 1) -> CpuPlan:
+    """The core set and thread count of every generator, learner rank and the buffer (see module doc)."""
+    available = tuple(sorted(set(available)))
+    if not available:
+        raise CpuSpecError("no CPU cores are available to this process (os.sched_getaffinity is empty)")
+    auto_gen, auto_learn = _auto_split(available, generators, learners)
+    gen_auto, learn_auto = generator_cpus.strip() == AUTO, learner_cpus.strip() == AUTO
+    gen = auto_gen if gen_auto else parse_cores(generator_cpus, available, "generator.cpus")
+    learn = auto_learn if learn_auto else parse_cores(learner_cpus, available, "learner.cpus")
+    if gen_auto and not learn_auto:  # the other fleet takes what is left (everything if nothing is)
+        gen = tuple(c for c in available if c not in learn) or available
+    if learn_auto and not gen_auto:
+        learn = tuple(c for c in available if c not in gen) or available
+    buf = gen if buffer_cpus.strip() == AUTO else parse_cores(buffer_cpus, available, "buffer.cpus")
+    plan = CpuPlan(available)
+    for i, cores in enumerate(split_blocks(gen, generators)):
+        plan.placements[f"generator {i}"] = Placement(f"generator {i}", cores, generator_threads)
+    for r, cores in enumerate(split_blocks(learn, learners)):
+        plan.placements[f"learner {r}"] = Placement(f"learner {r}", cores, learner_threads)
+    plan.placements["buffer"] = Placement("buffer", buf, 1)
+    plan.warnings = _oversubscription(plan)
+    return plan
+
+
+def _oversubscription(plan: CpuPlan) -> list[str]:
+    out = []
+    load: dict[int, int] = {}
+    for p in plan.placements.values():
+        if p.actor == "buffer":
+            continue  # one mostly idle I/O thread
+        if p.threads > len(p.cores):
+            out.append(f"{p.actor}: {p.threads} threads on {len(p.cores)} core(s)")
+        for c in p.cores:
+            load[c] = load.get(c, 0) + p.threads / len(p.cores)
+    busy = sorted(c for c, n in load.items() if n > 1.0 + 1e-9)
+    if busy:
+        out.append(f"core(s) {busy} carry more threads than they have (roles or actors share them)")
+    return out
+
+
+def available_cores(spec: str = "") -> tuple[int, ...]:
+    """The cores this process may use (``run.cpus`` narrows them)."""
+    own = tuple(sorted(os.sched_getaffinity(0)))
+    return own if not spec.strip() or spec.strip() in (AUTO, ALL) else parse_cores(spec, own, "run.cpus")
+
+
+def plan_for_config(cfg: Any) -> CpuPlan:
+    """The plan of a :class:`async_rlhf.config.Config` on this host."""
+    return plan_cpus(available_cores(cfg.run.cpus), cfg.generators, cfg.learners,
+                     generator_cpus=cfg.generator.cpus, learner_cpus=cfg.learner.cpus, buffer_cpus=cfg.buffer.cpus,
+                     generator_threads=cfg.generator.threads, learner_threads=cfg.learner.threads)
+
+
+def pin_this_process(cores: tuple[int, ...], threads: int | None = None) -> list[int]:
+    """Pin every thread of this process to ``cores`` (threads started later inherit it); optionally resize
+    torch's intra-op pool. Returns the affinity now in effect."""
+    target = set(cores)
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), target)
+        except (ProcessLookupError, PermissionError):  # a thread that just ended
+            continue
+    if threads:
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        import sys
+
+        torch = sys.modules.get("torch")  # only if already loaded: never import torch here
+        if torch is not None:
+            torch.set_num_threads(threads)
+    return sorted(os.sched_getaffinity(0))
+
+
+def pin_actor(_actor: object, cores: list[int], threads: int | None = None) -> list[int]:
+    """For ``actor.__ray_call__.remote(pin_actor, cores)``: pins the actor's process from inside it."""
+    return pin_this_process(tuple(cores), threads)

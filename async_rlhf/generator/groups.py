@@ -1,0 +1,140 @@
+"""Prompt groups from admission to the buffer: environment rollouts, rewards (immediate or late), put.
+
+Coroutines on an event loop owned by the generator's loop thread, run in slices between engine steps by
+:meth:`GroupRunner.pump` (nothing here blocks the engine for long: the buffer calls are short requests)::
+
+    start(gid, prompt) -> task: gather(env.rollout x group_size)        engine requests via the policy
+                            every reward source immediate?  score_now -> put(group with rewards)
+                            otherwise                     put(group, rewards_pending) -> task keeps awaiting
+                                                          rewards.score (timeout) -> client.reward(gid, ...)
+
+Kept apart from the Ray actor on purpose: an actor class with ``async def`` methods becomes an asyncio actor
+in Ray, whose synchronous methods then queue behind the long-running loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from async_rlhf.buffer.client import BufferClient, with_retry
+from async_rlhf.env.base import Environment, Policy, Prompt, Trajectory
+from async_rlhf.generator.rollout import to_group
+from async_rlhf.rewards.base import RewardSource
+
+log = logging.getLogger(__name__)
+
+Record = Callable[[str, str, "list[float] | None", str], None]
+"""record(event, group_id, rewards, reason): events put | put_pending | rewarded | dropped | <counter name>."""
+
+
+class GroupRunner:
+    def __init__(self, env: Environment, rewards: RewardSource, policy: Policy, client: BufferClient, *,
+                 group_size: int, reward_timeout_s: float, patience_s: float, generator: int,
+                 current_version: Callable[[], int], record: Record,
+                 on_reward_phase: Callable[[], None] = lambda: None) -> None:
+        self.env, self.rewards, self.policy, self.client = env, rewards, policy, client
+        self.group_size = group_size
+        self.reward_timeout_s = reward_timeout_s
+        self.patience_s = patience_s
+        self.generator = generator
+        self.current_version = current_version
+        self.record = record
+        self.on_reward_phase = on_reward_phase
+        self.loop: asyncio.AbstractEventLoop = asyncio.SelectorEventLoop()  # not Ray's uvloop policy
+        self.groups: dict[str, asyncio.Task[None]] = {}
+        """Admitted and not yet put (trajectories being generated)."""
+        self.reward_tasks: set[asyncio.Task[None]] = set()
+        """Put with rewards pending; their rewards are still being computed."""
+        self.last_pump = 0.0
+
+    def start(self, gid: str, prompt: Prompt, prompt_ids: list[int]) -> None:
+        self.groups[gid] = self.loop.create_task(self._play(gid, prompt, prompt_ids))
+
+    def pump(self) -> None:
+        """Run every coroutine that can proceed: a few loop iterations let a finished turn resume its
+        environment, a finished rollout its group, which then rewards and puts."""
+        self.last_pump = time.monotonic()
+        for _ in range(3):
+            self.loop.run_until_complete(asyncio.sleep(0))
+
+    def cancel_all(self) -> int:
+        """Cancel every group and reward task (the loop is ending); returns how many groups were not put."""
+        open_groups = len(self.groups)
+        for task in [*self.groups.values(), *self.reward_tasks]:
+            task.cancel()
+        self.pump()
+        return open_groups
+
+    def close(self) -> None:
+        self.loop.close()
+
+    async def _play(self, gid: str, prompt: Prompt, ids: list[int]) -> None:
+        n, start_version, t_start = self.group_size, self.current_version(), time.time()
+        try:
+            trajs = list(await asyncio.gather(*(self.env.rollout(prompt, ids, self.policy) for _ in range(n))))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a user environment must never take the generator down
+            log.exception("generator %d: environment %s failed on group %s", self.generator, self.env.name, gid)
+            self._fail(gid, f"env_error: {exc!r}", "env_errors")
+            return
+        texts = [t.text for t in trajs]
+        meta: dict[str, Any] = {"prompt": prompt.text, **prompt.data}
+        self.on_reward_phase()
+        if self.rewards.immediate:
+            try:
+                final = self.rewards.score_now(prompt, texts)
+            except Exception as exc:  # a user reward function must never take the generator down
+                log.exception("generator %d: reward failed for group %s", self.generator, gid)
+                self._fail(gid, f"reward_error: {exc!r}", "reward_errors")
+                return
+            group = to_group(gid, ids, trajs, final, self.generator, meta, start_version, t_start)
+            with_retry(lambda: self.client.put(group), f"put {gid}", self.patience_s)
+            del self.groups[gid]
+            self.record("put", gid, [s.reward for s in group.samples], "")
+            return
+        group = to_group(gid, ids, trajs, [0.0] * n, self.generator, meta, start_version, t_start)
+        with_retry(lambda: self.client.put(group, rewards_pending=True), f"put {gid}", self.patience_s)
+        del self.groups[gid]
+        self.record("put_pending", gid, None, "")
+        task = asyncio.current_task()
+        assert task is not None
+        self.reward_tasks.add(task)
+        try:
+            await self._late_reward(gid, prompt, trajs, texts)
+        finally:
+            self.reward_tasks.discard(task)
+
+    def _fail(self, gid: str, reason: str, counter: str) -> None:
+        del self.groups[gid]
+        self.record("dropped", gid, None, reason)
+        self.record(counter, gid, None, reason)
+        self.client.release(1)
+
+    async def _late_reward(self, gid: str, prompt: Prompt, trajs: list[Trajectory], texts: list[str]) -> None:
+        """Await the sources; send the returns to the buffer. Failures are counted, the buffer drops the group
+        after ``buffer.reward_deadline_s`` with reason ``reward_timeout``."""
+        try:
+            final = await asyncio.wait_for(self.rewards.score(prompt, texts), self.reward_timeout_s)
+        except asyncio.TimeoutError:
+            log.warning("generator %d: no reward for group %s within rewards.timeout_s=%g s; the buffer drops it",
+                        self.generator, gid, self.reward_timeout_s)
+            self.record("reward_timeouts", gid, None, "reward_timeout")
+            return
+        except Exception as exc:  # noqa: BLE001 - counted; never stops the generator
+            log.warning("generator %d: reward failed for group %s: %s", self.generator, gid, exc)
+            self.record("reward_errors", gid, None, f"reward_error: {exc!r}")
+            return
+        returns = [t.env_return + f for t, f in zip(trajs, final)]
+        answer = with_retry(lambda: self.client.reward(gid, returns), f"reward {gid}", self.patience_s)
+        # this runner rewards each group once, so "already_rewarded" means a retry whose first reply was lost
+        if not answer["ok"] and answer.get("reason") != "already_rewarded":  # e.g. dropped: deadline passed
+            log.warning("generator %d: the buffer refused the late reward of %s: %s", self.generator, gid,
+                        answer["reason"])
+            self.record("reward_timeouts", gid, None, str(answer["reason"]))
+            return
+        self.record("rewarded", gid, returns, "")

@@ -1,0 +1,76 @@
+"""A resumable prompt stream: every prompt has a key (generator id, position in its stream).
+
+The task's training stream is deterministic per generator, so a position is enough to continue it after a
+restart or a resume, and a list of earlier positions is enough to re-issue prompts that were drawn but
+never trained (in flight in a killed generator, or held in a memory buffer that died with the job).
+
+    stream = PromptStream(task.train_problems(seed), start=120, reissue=[97, 101], skip={120})
+    seq, problem = next(stream)   # 97, 101 first (replayed from the start), then 121, 122, ...
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Generic, TypeVar
+
+P = TypeVar("P")
+
+
+def prompt_key(gen_id: int, seq: int) -> str:
+    return f"{gen_id}:{seq}"
+
+
+def group_id(gen_id: int, tag: str, seq: int) -> str:
+    """The id of one prompt group; :func:`key_of_group` recovers its prompt key from it."""
+    return f"g{gen_id}-{tag}-{seq}"
+
+
+def key_of_group(group_id: str) -> str:
+    """``g3-ab12cd-17`` -> ``3:17``; raises ValueError for an id not made by :func:`group_id`."""
+    head, _, seq = group_id.rpartition("-")
+    gen = head.split("-", 1)[0]
+    if not gen.startswith("g") or not gen[1:].isdigit() or not seq.isdigit():
+        raise ValueError(f"group id {group_id!r} does not name a prompt (expected g<gen>-<tag>-<seq>)")
+    return prompt_key(int(gen[1:]), int(seq))
+
+
+class PromptStream(Generic[P]):
+    """Yields ``(seq, problem)``: first the re-issued positions, then ``start + 1, start + 2, ...``.
+
+    ``start`` is the number of prompts already drawn (positions 1..start); ``skip`` holds later positions
+    that must not be drawn again (already generated before a crash the driver noticed late).
+    """
+
+    def __init__(self, problems: Iterator[P], start: int = 0, reissue: Iterable[int] = (),
+                 skip: Iterable[int] = ()) -> None:
+        if start < 0:
+            raise ValueError(f"stream position must be 0 or more, got {start}")
+        self._problems = problems
+        wanted = sorted(set(int(s) for s in reissue))
+        if wanted and (wanted[0] < 1 or wanted[-1] > start):
+            raise ValueError(f"re-issued positions must lie in 1..{start}, got {wanted[0]}..{wanted[-1]}")
+        self._skip = set(int(s) for s in skip)
+        self._replayed: list[tuple[int, P]] = []
+        self.position = 0
+        for seq in range(1, start + 1):  # replay the deterministic stream up to the resume point
+            problem = next(self._problems)
+            if wanted and seq == wanted[0]:
+                self._replayed.append((seq, problem))
+                wanted.pop(0)
+        self.position = start
+
+    def __iter__(self) -> Iterator[tuple[int, P]]:
+        return self
+
+    def __next__(self) -> tuple[int, P]:
+        if self._replayed:
+            return self._replayed.pop(0)
+        while True:
+            self.position += 1
+            problem = next(self._problems)
+            if self.position not in self._skip:
+                return self.position, problem
+
+    @property
+    def reissue_left(self) -> int:
+        return len(self._replayed)

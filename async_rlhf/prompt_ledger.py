@@ -1,0 +1,92 @@
+"""The driver's ledger of prompts: which were drawn, which trained, which must be issued again (pure).
+
+A prompt's key is ``<generator id>:<position in its stream>`` (see ``generator/stream.py``). The driver
+feeds this ledger the generators' stream positions and, step by step, the group ids the learners trained.
+From it come the data position of a checkpoint and the re-issue plan of a restarted generator:
+
+    drawn (1..position)  =  trained  +  outstanding (in flight, in the buffer, or lost with a process)
+    restart / resume:   re-issue  outstanding - still in the buffer,   skip  in the buffer beyond position
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from async_rlhf.generator.stream import key_of_group
+
+
+def split_key(key: str) -> tuple[int, int]:
+    gen, _, seq = key.partition(":")
+    return int(gen), int(seq)
+
+
+@dataclass
+class StreamPlan:
+    """How a (re)started generator continues its prompt stream."""
+
+    position: int
+    reissue: list[int]
+    skip: list[int]
+
+
+@dataclass
+class PromptLedger:
+    positions: dict[int, int] = field(default_factory=dict)
+    outstanding: dict[int, set[int]] = field(default_factory=dict)
+    ahead: dict[int, set[int]] = field(default_factory=dict)
+    """Trained positions beyond the last position seen (a generator drew and finished them between polls)."""
+    trained: set[str] = field(default_factory=set)
+    duplicates: list[str] = field(default_factory=list)
+    """Keys trained a second time: must stay empty (exactly-once)."""
+    reissued: dict[int, list[int]] = field(default_factory=dict)
+
+    def observe_position(self, gen: int, position: int) -> None:
+        old = self.positions.get(gen, 0)
+        if position <= old:
+            return
+        ahead = self.ahead.setdefault(gen, set())
+        fresh = {s for s in range(old + 1, position + 1) if s not in ahead}
+        self.outstanding.setdefault(gen, set()).update(fresh)
+        ahead.difference_update(range(old + 1, position + 1))
+        self.positions[gen] = position
+
+    def observe_trained(self, group_ids: Iterable[str]) -> None:
+        for gid in group_ids:
+            key = key_of_group(gid)
+            if key in self.trained:
+                self.duplicates.append(key)
+                continue
+            self.trained.add(key)
+            gen, seq = split_key(key)
+            if seq <= self.positions.get(gen, 0):
+                self.outstanding.setdefault(gen, set()).discard(seq)
+            else:
+                self.ahead.setdefault(gen, set()).add(seq)
+
+    def plan(self, gen: int, in_buffer: Iterable[str] = ()) -> StreamPlan:
+        """Stream plan of generator ``gen`` (re)starting now; ``in_buffer``: group ids the buffer holds, has
+        delivered or has trained (they need no second issue)."""
+        position = self.positions.get(gen, 0)
+        held = [split_key(key_of_group(g)) for g in in_buffer]
+        mine = {seq for g, seq in held if g == gen}
+        reissue = sorted(self.outstanding.get(gen, set()) - mine)
+        skip = sorted({s for s in mine if s > position} | self.ahead.get(gen, set()))
+        self.reissued.setdefault(gen, []).extend(reissue)
+        return StreamPlan(position, reissue, skip)
+
+    def to_state(self) -> dict[str, Any]:
+        """The data position of a checkpoint (JSON)."""
+        return {str(g): {"position": p, "pending": sorted(self.outstanding.get(g, set())),
+                         "skip": sorted(self.ahead.get(g, set()))} for g, p in sorted(self.positions.items())}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> PromptLedger:
+        led = cls()
+        for g, s in state.items():
+            gen = int(g)
+            led.positions[gen] = int(s["position"])
+            led.outstanding[gen] = {int(x) for x in s["pending"]}
+            led.ahead[gen] = {int(x) for x in s.get("skip", [])}
+        return led

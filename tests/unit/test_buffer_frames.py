@@ -1,0 +1,149 @@
+"""The batched frame protocol: puts with group frames, gets answered with the stored bytes as frames."""
+
+from __future__ import annotations
+
+import random
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+
+from async_rlhf.buffer.client import BufferClient, encode_group
+from async_rlhf.buffer.logic import BufferLogic
+from async_rlhf.buffer.service import BufferService
+from async_rlhf.buffer.store import MemoryStore
+from async_rlhf.buffer.testing import make_group
+from async_rlhf.wire import encode
+
+
+@pytest.fixture
+def svc():
+    service = BufferService(BufferLogic(MemoryStore(), groups_per_version=100, max_staleness=0, capacity=6)).start()
+    try:
+        yield service
+    finally:
+        service.stop()
+
+
+def test_large_groups_travel_unchanged_in_both_directions(svc: BufferService):
+    c = BufferClient(svc.address, timeout_s=5.0)
+    try:
+        big = make_group("big", payload_bytes=300_000)  # above the zero-copy size: kept as a view of the frame
+        small = make_group("small", payload_bytes=500)
+        sent = {g.group_id: encode_group(g) for g in (big, small)}
+        assert c.put_many([big, small]) == [True, True]
+        ids, parts = c.get_encoded(5, 0, wait_s=1.0, at_least=1)
+        assert ids == ["big", "small"]
+        assert [bytes(p) for p in parts] == [sent["big"], sent["small"]]  # the very bytes the producer sent
+        assert c.ack(ids) == 2
+        assert c.put(big) is False  # trained: a duplicate
+    finally:
+        c.close()
+
+
+def test_pipelined_puts_answer_in_order_and_report_full(svc: BufferService):
+    c = BufferClient(svc.address, timeout_s=5.0)
+    try:
+        batches = [[encode_group(make_group(f"g{b}-{i}")) for i in range(2)] for b in range(4)]
+        results = list(c.put_pipelined(iter(batches), window=3))
+        assert [sent for sent, _ in results] == batches
+        assert [st for _, st in results] == [["ok", "ok"]] * 3 + [["full", "full"]]  # capacity 6
+        assert c.stats()["buffer/put_full"] == 2
+    finally:
+        c.close()
+
+
+def test_get_at_least_answers_with_what_is_held(svc: BufferService):
+    c = BufferClient(svc.address, timeout_s=5.0)
+    try:
+        c.put_many([make_group("a"), make_group("b")])
+        assert c.get_encoded(10, 0, wait_s=0.05)[0] == []  # a learner's exact share: not yet
+        assert c.get_encoded(10, 0, wait_s=0.05, at_least=2)[0] == ["a", "b"]
+        back = c.get(1, 0, wait_s=0.05)
+        assert back == []
+    finally:
+        c.close()
+
+
+@pytest.mark.parametrize("header,parts,reason", [
+    ({"kind": "put", "parts": 2}, [b"x"], "malformed"),                   # count does not match
+    ({"kind": "admit", "want": 1}, [b"x"], "malformed"),                  # frames after a non-put
+    ({"kind": "put", "parts": 1}, [b"\xc1"], "malformed"),                # a group frame that is not msgpack
+    ({"kind": "put", "parts": 1}, [msgpack.packb({"group_id": "x"})], "malformed"),  # not a valid group
+])
+def test_bad_group_frames_are_refused_and_nothing_is_stored(svc: BufferService, header, parts, reason):
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(svc.address)
+    try:
+        fields = {k: v for k, v in header.items() if k != "kind"}
+        sock.send_multipart([encode(header["kind"], req_id=1, **fields), *parts])
+        assert sock.poll(5000)
+        reply = msgpack.unpackb(sock.recv_multipart()[0])
+        assert reply["kind"] == "error" and reply["reason"] == reason
+        assert svc.logic.counters["put"] == 0 and svc.logic.rejects[reason] == 1
+    finally:
+        sock.close(0)
+
+
+def test_encode_group_does_not_alias_the_arrays():
+    g = make_group("g", payload_bytes=1200)
+    data = encode_group(g)
+    g.samples[0].completion_ids[:] = 0  # a later change of the arrays does not reach encoded bytes
+    w = msgpack.unpackb(data)
+    assert np.frombuffer(w["samples"][0]["completion_ids"]["data"], np.int32)[1] == 1
+
+
+def _mutations(rng: random.Random, wire: dict) -> dict:
+    """One random corruption of a valid wire group (a copy)."""
+    w = msgpack.unpackb(msgpack.packb(wire))
+    sample = rng.choice(w["samples"])
+    target = rng.choice(["group", "sample", "array"])
+    if target == "group":
+        key = rng.choice(["group_id", "samples", "prompt_ids", "generator", "meta", "t_start"])
+        w[key] = rng.choice([None, "", 3, -1.5, [], {}, b"x", [1, 2], float("nan")])
+    elif target == "sample":
+        key = rng.choice(["completion_ids", "logprobs", "versions", "reward", "loss_mask", "token_rewards"])
+        sample[key] = rng.choice([None, 1, "x", {}, [], b"\x00"]) if rng.random() < 0.5 else sample.get(
+            "versions" if key != "versions" else "logprobs")
+    else:
+        arr = sample[rng.choice(["completion_ids", "logprobs", "versions"])]
+        key = rng.choice(["dtype", "shape", "data"])
+        arr[key] = {"dtype": rng.choice(["int8", "object", "float64", "bool", 5]),
+                    "shape": rng.choice([[], [0], [-1], [2, 2], [10**6], ["3"]]),
+                    "data": rng.choice([b"", b"\x00" * 5, "text", 7])}[key]
+    return w
+
+
+def test_envelope_never_accepts_what_the_learner_would_refuse():
+    from async_rlhf.buffer.envelope import inspect_group
+    from async_rlhf.types import Group
+    from async_rlhf.wire import WireError
+
+    rng = random.Random(0)
+    wire = make_group("g", payload_bytes=120, samples=2).to_wire()
+    accepted = refused = 0
+    for _ in range(3000):
+        w = _mutations(rng, wire)
+        try:
+            inspect_group(w)
+        except WireError:
+            refused += 1
+            continue
+        accepted += 1
+        Group.from_wire(w)  # raises (and fails the test) if the envelope let a bad group through
+    assert refused > 1000 and accepted > 50
+
+
+def test_get_can_carry_the_previous_batch_ack(svc: BufferService):
+    c = BufferClient(svc.address, timeout_s=5.0)
+    try:
+        c.put_many([make_group("a"), make_group("b"), make_group("c")])
+        first, _ = c.get_encoded(2, 0, wait_s=0.5)
+        second, _ = c.get_encoded(2, 0, wait_s=0.05, at_least=1, ack=first)
+        assert (first, second) == (["a", "b"], ["c"])
+        s = c.stats(ledger=True)
+        assert s["ledger"]["trained"] == ["a", "b"] and s["ledger"]["delivered"] == ["c"]
+    finally:
+        c.close()

@@ -1,0 +1,127 @@
+"""Reward sources: functions, weighted sums, a real HTTP scorer (slow, silent, wrong), a real reward model."""
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+
+from async_rlhf.env.base import Prompt
+from async_rlhf.rewards.base import FunctionReward, RewardError, WeightedRewards, check_rewards, load_callable
+from async_rlhf.rewards.http import HttpScorer
+from async_rlhf.rewards.scorer_server import ScorerServer
+
+PROMPT = Prompt("12+30=", {"answer": "042"})
+
+
+def length_reward(prompt: str, completion: str, data: dict) -> float:
+    return float(len(completion))
+
+
+def test_function_and_weighted_sources():
+    exact = FunctionReward(lambda p, c, d: float(c == d["answer"]), name="exact")
+    length = FunctionReward(length_reward, name="length", immediate=False)
+    assert exact.immediate and exact.score_now(PROMPT, ["042", "42"]) == [1.0, 0.0]
+    assert asyncio.run(length.score(PROMPT, ["042", "4"])) == [3.0, 1.0]
+    both = WeightedRewards([(exact, 2.0), (length, -0.5)])
+    assert not both.immediate and "2*exact" in both.name
+    assert asyncio.run(both.score(PROMPT, ["042", "4"])) == [2.0 - 1.5, -0.5]
+    assert WeightedRewards([(exact, 1.0), (exact, 1.0)]).score_now(PROMPT, ["042"]) == [2.0]
+    with pytest.raises(NotImplementedError, match="not immediate"):
+        HttpScorer("http://127.0.0.1:9/score").score_now(PROMPT, ["x"])
+
+
+def test_bad_rewards_are_refused_with_the_reason():
+    assert check_rewards([1, 0.5], 2, "f") == [1.0, 0.5]
+    for values, message in (([1.0], "expected a list of 2"), ([1.0, float("nan")], "finite"),
+                            ([1.0, "x"], "finite"), ([True, 1.0], "finite"), ("no", "expected a list")):
+        with pytest.raises(RewardError, match=message):
+            check_rewards(values, 2, "f")
+    broken = FunctionReward(lambda p, c, d: None)
+    with pytest.raises(RewardError, match="finite number"):
+        broken.score_now(PROMPT, ["a"])
+
+
+def test_load_callable_from_module_or_file(tmp_path: Path):
+    assert load_callable("os.path:join", "rewards.function")("a", "b") == "a/b"
+    f = tmp_path / "my_reward.py"
+    f.write_text("def score(prompt, completion, data):\n    return 2.0\n")
+    assert load_callable(f"{f}:score", "rewards.function")("p", "c", {}) == 2.0
+    for spec, message in (("nocolon", "module:function"), (f"{tmp_path}/x.py:f", "no such file"),
+                          ("no_such_module_xyz:f", "cannot import"), (f"{f}:missing", "has no function")):
+        with pytest.raises(ValueError, match=message):
+            load_callable(spec, "rewards.function")
+
+
+def test_http_scorer_against_a_real_server_slow_silent_and_broken():
+    server = ScorerServer(delay_s=0.3)
+    try:
+        scorer = HttpScorer(server.url, timeout_s=5.0)
+
+        async def many() -> tuple[list, float]:
+            t0 = time.monotonic()
+            out = await asyncio.gather(*(scorer.score(PROMPT, ["042", "41", "x"]) for _ in range(40)))
+            return out, time.monotonic() - t0
+
+        out, took = asyncio.run(many())
+        assert all(r == [1.0, 0.0, 0.0] for r in out) and server.requests == 40
+        assert took < 0.3 * 40 / 4, f"40 requests of 0.3 s took {took:.1f} s: they did not overlap"
+        server.drop = 1.0
+        with pytest.raises(RewardError, match="TimeoutError"):
+            asyncio.run(HttpScorer(server.url, timeout_s=0.5).score(PROMPT, ["042"]))
+        server.drop = 0.0
+        server.fn = lambda p, c, d: "not a number"
+        with pytest.raises(RewardError, match="finite number"):
+            asyncio.run(scorer.score(PROMPT, ["042"]))
+    finally:
+        server.close()
+    with pytest.raises(RewardError, match="failed"):
+        asyncio.run(HttpScorer(server.url, timeout_s=2.0).score(PROMPT, ["042"]))  # nobody listens any more
+    with pytest.raises(RewardError, match="must be http"):
+        asyncio.run(HttpScorer("ftp://host/x").score(PROMPT, ["042"]))
+
+
+@pytest.fixture(scope="module")
+def reward_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    import torch
+    from transformers import Qwen2ForSequenceClassification
+
+    from async_rlhf.tiny.model import tiny_config
+    from async_rlhf.tiny.tokenizer import build_tokenizer, save_tokenizer
+
+    out = tmp_path_factory.mktemp("rm")
+    tok = build_tokenizer()
+    cfg = tiny_config(len(tok), tok.pad_token_id, tok.bos_token_id, tok.eos_token_id)
+    cfg.num_labels = 1
+    torch.manual_seed(0)
+    Qwen2ForSequenceClassification(cfg).save_pretrained(str(out))
+    save_tokenizer(tok, out)
+    return out
+
+
+def test_reward_model_scores_batched_equal_one_by_one_and_keeps_spaces(reward_model_dir: Path):
+    from async_rlhf.rewards.model import RewardModelScorer
+
+    scorer = RewardModelScorer(str(reward_model_dir), max_batch=3)
+    texts = ["12+30=042", "12+30=4", "1 2", "12", "guess 0-9:3 higher:7"]
+    together = scorer.score(texts)
+    alone = [scorer.score([t])[0] for t in texts]
+    assert together == pytest.approx(alone, abs=1e-5)
+    assert len(set(round(v, 6) for v in together)) == len(texts)  # "1 2" and "12" differ: the space is kept
+    assert scorer.tokenizer.decode(scorer.tokenizer("1 2", add_special_tokens=False)["input_ids"]) == "1 2"
+
+
+def test_reward_model_server_merges_concurrent_requests(reward_model_dir: Path):
+    from async_rlhf.rewards.model import RewardModelServer
+
+    async def scenario() -> tuple[list[list[float]], dict]:
+        server = RewardModelServer(str(reward_model_dir), max_batch=16, wait_s=0.02)
+        outs = await asyncio.gather(*(server.score([f"{i}+1=", f"{i}+2="]) for i in range(12)))
+        return outs, server.stats()
+
+    outs, stats = asyncio.run(scenario())
+    assert stats["texts"] == 24 and stats["batches"] == 2  # 12 requests of 2 texts, 16 per forward
+    from async_rlhf.rewards.model import RewardModelScorer
+
+    direct = RewardModelScorer(str(reward_model_dir)).score(["5+1=", "5+2="])
+    assert outs[5] == pytest.approx(direct, abs=1e-5)
