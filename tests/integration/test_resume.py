@@ -51,8 +51,24 @@ def _kill_session(sid: int) -> None:
 
 
 def _learner_records(run_dir: Path) -> list[dict[str, Any]]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if "step" in r and r.get("kind") != "eval"]
+    path = run_dir / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    records = []
+    for i, line in enumerate(lines):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i != len(lines) - 1:
+                raise
+            # the driver was stopped mid-line
+    return [r for r in records if "step" in r and r.get("kind") != "eval"]
+
+
+def _past_last_checkpoint(run_dir: Path) -> bool:
+    """True when the metrics already hold a step after the newest committed checkpoint (read while frozen)."""
+    ckpts = list_checkpoints(run_dir)
+    records = _learner_records(run_dir)
+    return bool(ckpts and records) and max(r["step"] for r in records) > read_manifest(ckpts[-1])["step"]
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +88,16 @@ def resumed(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> d
             assert first.poll() is None, (work / "first.log").read_text()[-3000:]
             assert time.monotonic() < deadline, "the first run wrote no second checkpoint in time"
             time.sleep(0.5)
-        time.sleep(1.0)  # let it train past the checkpoint: those steps must be cut on resume
+        # Kill it at a moment when it has trained past its last checkpoint (those steps must be cut on resume).
+        # Only the driver writes metrics.jsonl and commits checkpoints, so freezing it (SIGSTOP) makes the
+        # check and the kill atomic; without that, a poll ending exactly on a checkpoint step races the kill.
+        while True:
+            time.sleep(0.3)
+            os.kill(first.pid, signal.SIGSTOP)
+            if _past_last_checkpoint(run_dir):
+                break
+            os.kill(first.pid, signal.SIGCONT)
+            assert time.monotonic() < deadline, "the first run never trained past a checkpoint"
     finally:
         _kill_session(first.pid)
     first.wait(timeout=30)
