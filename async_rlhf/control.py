@@ -12,7 +12,8 @@ on loopback whose address the driver writes to ``run_dir/control.json``:
     python launch/cluster.py scale --run-dir runs/demo --generators 2
 
 Messages are JSON objects (never pickled): ``{"op": "scale", "generators": 2}``, ``{"op": "stop"}`` (end the
-run early with a checkpoint) or ``{"op": "status"}``.
+run early with a checkpoint), ``{"op": "status"}`` or ``{"op": "pids"}`` (process ids of the learner ranks and
+generators, e.g. to send one a signal in a fault test).
 """
 
 from __future__ import annotations
@@ -38,8 +39,12 @@ class Fleet:
     """The live generators of one run; every method runs on the driver's progress thread except
     :meth:`request_scale` and :meth:`status` (any thread)."""
 
-    def __init__(self, cluster: Any, ledger: PromptLedger, buffer_client: Any, version: int | None = None) -> None:
+    def __init__(self, cluster: Any, ledger: PromptLedger, buffer_client: Any, version: int | None = None,
+                 rolled_back: set[str] | None = None) -> None:
+        """``rolled_back``: group ids the buffer saw trained after the checkpoint a run resumed from (their
+        training was undone with the model: their prompts are issued again, never skipped)."""
         self.cluster = cluster
+        self.rolled_back = rolled_back or set()
         self.ledger = ledger
         self.buffer_client = buffer_client
         self.version = version
@@ -72,6 +77,25 @@ class Fleet:
             return {"generators": sorted(self.handles), "draining": sorted(self.draining),
                     "target": self._target, **{f"fleet/{k}": v for k, v in self.counters.items()}}
 
+    def pids(self, timeout_s: float = 5.0) -> dict[str, Any]:
+        """Process ids of the learner ranks (by rank) and live generators (by id); any thread. An actor that
+        does not answer within ``timeout_s`` (restarting) is left out."""
+        import ray
+
+        with self._lock:
+            gens = dict(self.handles)
+        refs = {lr.__ray_call__.remote(_actor_pid): ("learners", r) for r, lr in enumerate(self.cluster.learners)}
+        refs.update({g.__ray_call__.remote(_actor_pid): ("generators", gen) for gen, g in gens.items()})
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
+        out: dict[str, Any] = {"learners": {}, "generators": {}}
+        for ref in ready:
+            role, key = refs[ref]
+            try:
+                out[role][str(key)] = int(ray.get(ref))
+            except ray.exceptions.RayError:
+                continue  # died since
+        return out
+
     def metrics(self) -> dict[str, float]:
         with self._lock:
             return {"fleet/generators": float(len(self.handles) - len(self.draining)),
@@ -90,7 +114,8 @@ class Fleet:
         """Groups the buffer holds, has delivered or (``trained``) saw trained: never issued again (trained
         ones may not have reached the ledger yet, which learns of them a poll later)."""
         ledger = self.buffer_client.stats(ledger=True)["ledger"]
-        return [*ledger["held"], *ledger["delivered"], *(ledger["trained"] if trained else [])]
+        done = [g for g in ledger["trained"] if g not in self.rolled_back] if trained else []
+        return [*ledger["held"], *ledger["delivered"], *done]
 
     def _start_stream(self, gen: int, handle: Any, in_buffer: list[str] | None = None) -> None:
         import ray
@@ -262,7 +287,9 @@ class ControlServer:
             return {"ok": True, "applied_at": "learners stop at the next common step, with a checkpoint"}
         if op == "status":
             return {"ok": True, **self.fleet.status()}
-        raise ValueError(f"unknown op {op!r}; use scale, stop or status")
+        if op == "pids":
+            return {"ok": True, **self.fleet.pids()}
+        raise ValueError(f"unknown op {op!r}; use scale, stop, status or pids")
 
     def close(self) -> None:
         self._stop.set()
@@ -291,6 +318,11 @@ def _pid() -> int:
     import os
 
     return os.getpid()
+
+
+def _actor_pid(actor: Any) -> int:
+    """Runs inside an actor (``__ray_call__``): the id of its process."""
+    return _pid()
 
 
 def send_control(run_dir: str | Path, msg: dict[str, Any], timeout_s: float = 10.0) -> dict[str, Any]:

@@ -28,18 +28,10 @@ DATA_LEDGER = "data_ledger.jsonl"
 METRICS = "metrics.jsonl"
 
 
-def _restore_admission(actor: Any, version: int, accepted: int) -> int:
-    """Runs inside the buffer actor: a fresh (memory) buffer takes the resumed run's version and the groups
-    it has already consumed, so admission opens exactly one window of ``max_staleness + 1`` batches."""
-    logic = actor.service.logic
-
-    def apply() -> int:
-        if logic.admission.version < version:
-            logic.admission.version = version
-            logic.admission.accepted = max(logic.admission.accepted, accepted)
-        return logic.admission.version
-
-    return actor.service.call(apply)
+def _trained_ids(data_ledger: Path) -> set[str]:
+    if not data_ledger.is_file():
+        return set()
+    return {gid for line in data_ledger.read_text().splitlines() for gid in json.loads(line)["group_ids"]}
 
 
 def _count_lines(path: Path) -> int:
@@ -57,6 +49,9 @@ class TrainProgress:
     ledger: PromptLedger = field(default_factory=PromptLedger)
     step: int = 0
     version: int | None = None
+    rolled_back: set[str] = field(default_factory=set)
+    """Group ids a durable buffer saw trained after the checkpoint resumed from: undone with the model, so
+    their prompts are issued again (never taken for "already in the buffer")."""
     _data: Any = None
 
     @classmethod
@@ -71,12 +66,18 @@ class TrainProgress:
             prog.ledger = PromptLedger.from_state(manifest["data"])
             truncate_jsonl(run_dir / METRICS, int(manifest["metrics_lines"]))
             truncate_jsonl(run_dir / DATA_LEDGER, int(manifest["data_lines"]))
-            per_version = cfg.train.batch_size * cfg.train.push_every  # groups consumed per version
-            ray.get(cluster.buffer.__ray_call__.remote(_restore_admission, prog.version,
-                                                       prog.version * per_version))
-            # a durable buffer: batches delivered to the killed learners go to the new ones now
-            ray.get([cluster.buffer.declare_dead.remote(f"learner-{r}") for r in range(cfg.learners)])
+            # the buffer takes the checkpoint's version and consumed groups; a durable (Redis) one also gives
+            # back what the killed learners held and drops groups made by weights the resume rolled back
+            restored = ray.get(cluster.buffer.restore_admission.remote(prog.version,
+                                                                      prog.step * cfg.train.batch_size))
+            trained = set(ray.get(cluster.buffer.stats.remote(True))["ledger"]["trained"])
+            prog.rolled_back = trained - _trained_ids(run_dir / DATA_LEDGER)
             print(f"resumed from {resume}: step {prog.step}, version {prog.version}", flush=True)
+            if restored["kept"] or restored["rolled_back"] or restored["reward_lost"] or prog.rolled_back:
+                print(f"buffer kept {restored['kept']} group(s) of the interrupted run; dropped "
+                      f"{restored['rolled_back']} made by weights newer than the checkpoint (rolled_back) and "
+                      f"{restored['reward_lost']} awaiting a reward (reward_lost); {len(prog.rolled_back)} "
+                      "trained after the checkpoint are trained again", flush=True)
         prog._data = (run_dir / DATA_LEDGER).open("a")
         return prog
 

@@ -174,6 +174,36 @@ class Cluster:
         ray.shutdown()
 
 
+class LearnerFailure(RuntimeError):
+    """A learner rank died or raised: the job stops (the driver names the checkpoint to resume from)."""
+
+    def __init__(self, failed: dict[int, str]) -> None:
+        self.ranks = sorted(failed)
+        super().__init__("; ".join(f"learner rank {r} failed ({why})" for r, why in sorted(failed.items())))
+
+
+def failed_learners(train_refs: list[Any], wait_s: float = 10.0) -> dict[int, str]:
+    """Ranks whose ``train()`` ended in an error (a killed process included), with the error's first line.
+
+    Waits up to ``wait_s`` for Ray to notice a death (the call that failed first may be another method)."""
+    import ray
+
+    deadline = time.monotonic() + wait_s
+    failed: dict[int, str] = {}
+    while not failed:
+        done, _ = ray.wait(train_refs, num_returns=len(train_refs), timeout=max(0.0, deadline - time.monotonic()))
+        for ref in done:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayError as exc:
+                first = (str(exc).strip().splitlines() or [""])[0]
+                failed[train_refs.index(ref)] = f"{type(exc).__name__}: {first}"
+        if time.monotonic() >= deadline or len(done) == len(train_refs):
+            break
+        time.sleep(0.2)
+    return failed
+
+
 def _progress_line(rec: dict[str, Any], steps: int, acc: str, tok_s: float, depth: int, elapsed: float) -> str:
     return (f"step {rec['step']:>4}/{steps} | v{rec['version']:<4} | reward {rec['rollout/reward_mean']:.3f} | "
             f"held-out acc {acc} | gen {tok_s:7.0f} tok/s | staleness {rec['staleness/mean']:.2f} | "
@@ -198,7 +228,7 @@ def train(cfg: Config, cluster: Cluster, run_dir: Path, resume: Path | None = No
     writer = MetricsWriter(run_dir)
     buffer = make_client(cfg, cluster.buffer_address, consumer="launcher")
     t_start = time.time()
-    fleet = Fleet(cluster, progress.ledger, buffer, progress.version)
+    fleet = Fleet(cluster, progress.ledger, buffer, progress.version, rolled_back=progress.rolled_back)
     fleet.start()
     control = ControlServer(fleet, run_dir) if cfg.run.control else None
     if on_fleet is not None:
@@ -216,11 +246,7 @@ def train(cfg: Config, cluster: Cluster, run_dir: Path, resume: Path | None = No
         pending = list(train_refs)
         while pending:
             done, pending = ray.wait(pending, timeout=0.5)
-            try:
-                ray.get(done)  # surfaces a learner failure at once
-            except ray.exceptions.RayError:
-                print(progress.failure_hint(), flush=True)
-                raise
+            ray.get(done)  # surfaces a learner failure at once
             fleet.poll()
             if fleet.stop_requested.is_set() and not stopping:
                 stopping = True  # ranks are within a step of each other: stop them all a few steps ahead
@@ -258,6 +284,14 @@ def train(cfg: Config, cluster: Cluster, run_dir: Path, resume: Path | None = No
                 print(_progress_line(records[-1], cfg.train.steps, acc, tok_s, buf["buffer/depth"], now - t_start),
                       flush=True)
         wall = time.time() - t_start
+    except ray.exceptions.RayError as exc:
+        # any call to a dead learner fails (its train() ref, metrics, trained ids): name the rank, stop the job;
+        # only checkpoints whose every rank finished saving were committed, the newest is the one to resume
+        failed = failed_learners(train_refs)
+        if not failed:
+            raise
+        print(progress.failure_hint(), flush=True)
+        raise LearnerFailure(failed) from exc
     finally:
         if control is not None:
             control.close()

@@ -14,10 +14,19 @@ consumed; ``p50_ms``/``p99_ms`` are the round-trip latencies of the producers' p
 server is a private one on a free port (append-only, ``--fsync``); nothing touches another Redis.
 
 How the buffer client batches (printed, and stored as ``client`` in the JSON): a producer encodes each group
-afresh (own id) and puts PUT_BATCH groups per request with PUT_WINDOW requests in flight; the service
-validates, de-duplicates and stores each group and answers one status per group. A consumer asks for up to
-GET_BATCH groups, receives their stored bytes as frames and acks their ids. The raw baselines send the same
-payload sizes without any of that (PUSH/PULL: no acknowledgement at all).
+afresh (own id) and puts PUT_BATCH groups per request with PUT_WINDOW requests in flight; small groups go
+packed (their bytes back to back in one frame, sizes in the request), a batch with a group of 64 KB or more
+as one frame per group. The service validates (msgpack-decodes and checks) each group, de-duplicates and
+stores it as a view of the received frame and answers one status per group. A consumer asks for up to
+GET_BATCH groups (answered as soon as one is held), receives their stored bytes (packed, or as frames when
+large) and acks their ids with its next get. The raw baselines send the same payload sizes without any of
+that (PUSH/PULL: no acknowledgement at all).
+
+Every row also reports CPU microseconds per consumed group, by role (``cpu_us_per_msg``: producers, service,
+consumers, total; ``raw_cpu_us_per_msg``: producers, consumers, total; the redis-server's own CPU is in
+neither). They are process CPU times (all threads) over the measured window, so they show where a ratio
+below 1 comes from: on 2 cores a pipeline that needs k times the raw CPU per message runs at most 1/k of
+its rate.
 """
 
 from __future__ import annotations
@@ -29,6 +38,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -42,13 +52,14 @@ from async_rlhf.buffer.testing import RedisServer, free_port, make_group  # noqa
 
 PAYLOADS = (1 << 10, 16 << 10, 256 << 10)
 BATCH = 8  # groups per XREADGROUP of the raw Redis consumer
-PUT_BATCH = 16  # most groups per put request of the buffer client ...
-PUT_BATCH_BYTES = 1 << 20  # ... and at most this many payload bytes per request (256 KB groups: 4 per request)
+PUT_BATCH = 64  # most groups per put request of the buffer client (16 cost ~10-25% more CPU per group) ...
+PUT_BATCH_BYTES = 1 << 20  # ... and at most this many payload bytes per request (16 KB: 64, 256 KB: 4 per request)
 PUT_WINDOW = 4  # put requests in flight per producer (fewer for large groups: see put_window)
 WINDOW_BYTES = 2 << 20  # most payload bytes one producer has in flight
 WARMUP_S = 1.0  # processes start and connect before the measured window (0.5 with --quick)
 GET_BATCH = 64  # most groups per get request of a buffer consumer (answered as soon as one is held)
-CLIENT_NOTE = (f"buffer client: puts of min({PUT_BATCH}, {PUT_BATCH_BYTES >> 10} KB / payload) groups per request, "
+CLIENT_NOTE = (f"buffer client: puts of min({PUT_BATCH}, {PUT_BATCH_BYTES >> 10} KB / payload) groups per request "
+               "(small groups packed in one frame, large ones a frame each), "
                f"at most {PUT_WINDOW} requests and {WINDOW_BYTES >> 20} MB in flight per producer, each group "
                "acknowledged (a 'full' one is put again after 5 ms); "
                f"consumers get up to {GET_BATCH} per request and ack them with their next get; "
@@ -64,7 +75,23 @@ def put_window(size: int) -> int:
 
 
 # -- raw baselines ------------------------------------------------------------------------------------
-def raw_zmq_producer(address: str, size: int, t0: float, t1: float) -> None:
+class CpuWindow:
+    """CPU seconds of this process (all its threads: ZeroMQ's I/O thread too) between t0 and t1."""
+
+    def __init__(self, t0: float) -> None:
+        self.t0, self.start, self.spent = t0, None, 0.0
+
+    def tick(self) -> None:
+        """Call in the loop: the first call at or after t0 starts the window."""
+        if self.start is None and time.time() >= self.t0:
+            self.start = time.process_time()
+
+    def stop(self) -> float:
+        self.spent = time.process_time() - self.start if self.start is not None else 0.0
+        return self.spent
+
+
+def raw_zmq_producer(address: str, size: int, t0: float, t1: float, out: Any) -> None:
     import zmq
 
     sock = zmq.Context().socket(zmq.PUSH)
@@ -72,12 +99,15 @@ def raw_zmq_producer(address: str, size: int, t0: float, t1: float) -> None:
     sock.connect(address)
     payload = os.urandom(size)
     time.sleep(max(0.0, t0 - time.time()))
+    cpu = CpuWindow(t0)
     while time.time() < t1:
+        cpu.tick()
         for _ in range(64):
             try:
                 sock.send(payload, zmq.NOBLOCK, copy=size < 65536)
             except zmq.Again:
                 sock.poll(10, zmq.POLLOUT)
+    out.put(("producers", 0, [], cpu.stop()))
     sock.close(0)
 
 
@@ -88,7 +118,9 @@ def raw_zmq_consumer(address: str, t0: float, t1: float, out: Any) -> None:
     sock.setsockopt(zmq.LINGER, 0)
     sock.bind(address)
     n = 0
+    cpu = CpuWindow(t0)
     while time.time() < t1:
+        cpu.tick()
         if sock.poll(20):
             while True:
                 try:
@@ -98,21 +130,24 @@ def raw_zmq_consumer(address: str, t0: float, t1: float, out: Any) -> None:
                 if time.time() >= t0:
                     n += 1
     sock.close(0)
-    out.put(("consumed", n, []))
+    out.put(("consumers", n, [], cpu.stop()))
 
 
-def raw_redis_producer(url: str, stream: str, size: int, t0: float, t1: float) -> None:
+def raw_redis_producer(url: str, stream: str, size: int, t0: float, t1: float, out: Any) -> None:
     import redis
 
     r = redis.Redis.from_url(url)
     payload = os.urandom(size)
     time.sleep(max(0.0, t0 - time.time()))
+    cpu = CpuWindow(t0)
     while time.time() < t1:
+        cpu.tick()
         if r.xlen(stream) > 4096:  # the same capacity bound the buffer runs with
             time.sleep(0.001)
             continue
         for _ in range(16):
             r.xadd(stream, {"d": payload})
+    out.put(("producers", 0, [], cpu.stop()))
 
 
 def raw_redis_consumer(url: str, stream: str, name: str, t0: float, t1: float, out: Any) -> None:
@@ -120,7 +155,9 @@ def raw_redis_consumer(url: str, stream: str, name: str, t0: float, t1: float, o
 
     r = redis.Redis.from_url(url)
     n = 0
+    cpu = CpuWindow(t0)
     while time.time() < t1:
+        cpu.tick()
         got = r.xreadgroup("g", name, {stream: ">"}, count=BATCH, block=20)
         ids = [sid for _, entries in got for sid, _ in entries]
         if ids:
@@ -128,7 +165,7 @@ def raw_redis_consumer(url: str, stream: str, name: str, t0: float, t1: float, o
             r.xdel(stream, *ids)
             if time.time() >= t0:
                 n += len(ids)
-    out.put(("consumed", n, []))
+    out.put(("consumers", n, [], cpu.stop()))
 
 
 # -- the buffer service ---------------------------------------------------------------------------------
@@ -157,7 +194,9 @@ def buffer_producer(address: str, tag: str, size: int, t0: float, t1: float, out
             yield batch
 
     time.sleep(max(0.0, t0 - time.time() - 0.2))
+    cpu = CpuWindow(t0)
     for batch, status in c.put_pipelined(batches(), window=put_window(size)):
+        cpu.tick()
         done = time.perf_counter()
         if time.time() >= t0:
             lat.append(done - sent_at.pop(id(batch)))
@@ -167,8 +206,9 @@ def buffer_producer(address: str, tag: str, size: int, t0: float, t1: float, out
         if full:  # the buffer is at capacity (consumers are behind): put them again a little later
             retry += full
             time.sleep(0.005)
+    spent = cpu.stop()
     c.close()
-    out.put(("latency", 0, lat))
+    out.put(("producers", 0, lat, spent))
 
 
 def buffer_consumer(address: str, name: str, t0: float, t1: float, out: Any) -> None:
@@ -178,15 +218,18 @@ def buffer_consumer(address: str, name: str, t0: float, t1: float, out: Any) -> 
     c = BufferClient(address, timeout_s=30.0, consumer=name)
     n = 0
     done: list[str] = []
+    cpu = CpuWindow(t0)
     while time.time() < t1:
+        cpu.tick()
         ids, groups = c.get_encoded(GET_BATCH, 0, wait_s=0.05, at_least=1, ack=done)
         done = ids  # acknowledged with the next get
         if ids and time.time() >= t0:
             n += len(groups)
+    spent = cpu.stop()
     if done:
         c.ack(done)
     c.close()
-    out.put(("consumed", n, []))
+    out.put(("consumers", n, [], spent))
 
 
 def start_service(store: str, redis_url: str, prefix: str) -> tuple[subprocess.Popen, str]:
@@ -202,29 +245,40 @@ def start_service(store: str, redis_url: str, prefix: str) -> tuple[subprocess.P
     return proc, line.split()[1]
 
 
-def run_procs(targets: list[tuple[Any, tuple]], seconds: float) -> tuple[int, list[float]]:
+def run_procs(targets: list[tuple[Any, tuple]], seconds: float) -> tuple[int, list[float], dict[str, float]]:
+    """Run every target in its own process; (groups consumed, put latencies, CPU seconds by role)."""
     ctx = mp.get_context("fork")
     out = ctx.Queue()
-    procs = [ctx.Process(target=fn, args=(*args, out) if fn in _WANT_OUT else args) for fn, args in targets]
+    procs = [ctx.Process(target=fn, args=(*args, out)) for fn, args in targets]
     for p in procs:
         p.start()
-    consumed, lat = 0, []
-    expected = sum(1 for fn, _ in targets if fn in _WANT_OUT)
-    for _ in range(expected):
-        kind, n, samples = out.get(timeout=seconds + 60)
+    consumed, lat, cpu = 0, [], {"producers": 0.0, "consumers": 0.0}
+    for _ in targets:
+        role, n, samples, spent = out.get(timeout=seconds + 60)
         consumed += n
         lat += samples
+        cpu[role] += spent
     for p in procs:
         p.join(timeout=30)
         if p.is_alive():
             p.kill()
-    return consumed, lat
+    return consumed, lat, cpu
 
 
-_WANT_OUT = {raw_zmq_consumer, raw_redis_consumer, buffer_producer, buffer_consumer}
+def proc_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def measure_raw_zmq(size: int, producers: int, consumers: int, seconds: float) -> float:
+def per_msg_us(cpu: dict[str, float], consumed: int) -> dict[str, float]:
+    """CPU microseconds per consumed group, by role and in total (all processes of the run)."""
+    out = {role: round(s / consumed * 1e6, 1) if consumed else 0.0 for role, s in cpu.items()}
+    out["total"] = round(sum(cpu.values()) / consumed * 1e6, 1) if consumed else 0.0
+    return out
+
+
+def measure_raw_zmq(size: int, producers: int, consumers: int, seconds: float) -> tuple[float, dict[str, float]]:
     # PUSH/PULL fans out to one bound PULL per consumer; producers connect to all of them
     ports = [free_port() for _ in range(consumers)]
     t0 = time.time() + WARMUP_S
@@ -232,11 +286,12 @@ def measure_raw_zmq(size: int, producers: int, consumers: int, seconds: float) -
     targets: list[tuple[Any, tuple]] = [(raw_zmq_consumer, (f"tcp://127.0.0.1:{p}", t0, t1)) for p in ports]
     targets += [(raw_zmq_producer, (f"tcp://127.0.0.1:{ports[i % consumers]}", size, t0, t1))
                 for i in range(producers)]
-    consumed, _ = run_procs(targets, seconds)
-    return consumed / seconds
+    consumed, _, cpu = run_procs(targets, seconds)
+    return consumed / seconds, per_msg_us(cpu, consumed)
 
 
-def measure_raw_redis(url: str, size: int, producers: int, consumers: int, seconds: float) -> float:
+def measure_raw_redis(url: str, size: int, producers: int, consumers: int,
+                      seconds: float) -> tuple[float, dict[str, float]]:
     import redis
 
     stream = f"raw:{size}:{producers}:{time.time_ns()}"
@@ -246,25 +301,36 @@ def measure_raw_redis(url: str, size: int, producers: int, consumers: int, secon
     t1 = t0 + seconds
     targets: list[tuple[Any, tuple]] = [(raw_redis_consumer, (url, stream, f"c{i}", t0, t1)) for i in range(consumers)]
     targets += [(raw_redis_producer, (url, stream, size, t0, t1)) for _ in range(producers)]
-    consumed, _ = run_procs(targets, seconds)
+    consumed, _, cpu = run_procs(targets, seconds)
     r.delete(stream)
-    return consumed / seconds
+    return consumed / seconds, per_msg_us(cpu, consumed)  # the redis-server's own CPU is not counted
 
 
 def measure_buffer(store: str, url: str, size: int, producers: int, consumers: int,
-                   seconds: float) -> tuple[float, float, float]:
+                   seconds: float) -> tuple[float, float, float, dict[str, float]]:
     proc, address = start_service(store, url, prefix=f"bench:{store}:{size}:{producers}:{time.time_ns()}")
+    service_cpu: list[float] = []
+
+    def sample_service() -> None:  # the service's CPU over the same window as the clients'
+        for at in (t0, t1):
+            time.sleep(max(0.0, at - time.time()))
+            service_cpu.append(proc_cpu_s(proc.pid))
+
     try:
         t0 = time.time() + WARMUP_S
         t1 = t0 + seconds
+        sampler = threading.Thread(target=sample_service, daemon=True)
+        sampler.start()
         targets: list[tuple[Any, tuple]] = [(buffer_consumer, (address, f"c{i}", t0, t1)) for i in range(consumers)]
         targets += [(buffer_producer, (address, f"p{i}", size, t0, t1)) for i in range(producers)]
-        consumed, lat = run_procs(targets, seconds)
+        consumed, lat, cpu = run_procs(targets, seconds)
+        sampler.join(timeout=seconds + 10)
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+    cpu["service"] = service_cpu[1] - service_cpu[0] if len(service_cpu) == 2 else 0.0
     p50, p99 = (float(np.percentile(lat, q)) * 1000 for q in (50, 99)) if lat else (0.0, 0.0)
-    return consumed / seconds, p50, p99
+    return consumed / seconds, p50, p99, per_msg_us(cpu, consumed)
 
 
 def main() -> int:
@@ -297,11 +363,13 @@ def main() -> int:
                         raws.append(measure_raw_zmq(size, producers, consumers, seconds) if store == "memory"
                                     else measure_raw_redis(server.url, size, producers, consumers, seconds))
                         runs.append(measure_buffer(store, server.url, size, producers, consumers, seconds))
-                    raw = float(np.median(raws))
+                    raw = float(np.median([r[0] for r in raws]))
                     rate, p50, p99 = (float(np.median([r[i] for r in runs])) for i in range(3))
                     rows.append({"store": store + suffix, "payload_bytes": size, "msgs_per_s": round(rate, 1),
                                  "raw_msgs_per_s": round(raw, 1), "ratio": round(rate / raw, 3) if raw else 0.0,
-                                 "p50_ms": round(p50, 3), "p99_ms": round(p99, 3), "repeats": repeats})
+                                 "p50_ms": round(p50, 3), "p99_ms": round(p99, 3), "repeats": repeats,
+                                 "cpu_us_per_msg": median_cpu([r[3] for r in runs]),
+                                 "raw_cpu_us_per_msg": median_cpu([r[1] for r in raws])})
                     print_row(rows[-1], header=len(rows) == 1)
         finally:
             server.stop()
@@ -310,12 +378,19 @@ def main() -> int:
     return 0
 
 
+def median_cpu(runs: list[dict[str, float]]) -> dict[str, float]:
+    return {k: round(float(np.median([r[k] for r in runs])), 1) for k in runs[0]}
+
+
 def print_row(row: dict[str, Any], header: bool) -> None:
     if header:
         print(f"{'store':<14}{'payload':>9}{'msgs/s':>11}{'raw msgs/s':>12}{'ratio':>8}{'put p50 ms':>12}"
-              f"{'put p99 ms':>12}   (raw: pyzmq PUSH/PULL for memory, XADD/XREADGROUP for redis)")
+              f"{'put p99 ms':>12}   CPU us/msg: buffer (producers+service+consumers) | raw (producers+consumers)")
+    cpu, raw = row["cpu_us_per_msg"], row["raw_cpu_us_per_msg"]
     print(f"{row['store']:<14}{row['payload_bytes']:>9}{row['msgs_per_s']:>11.0f}{row['raw_msgs_per_s']:>12.0f}"
-          f"{row['ratio']:>8.2f}{row['p50_ms']:>12.3f}{row['p99_ms']:>12.3f}", flush=True)
+          f"{row['ratio']:>8.2f}{row['p50_ms']:>12.3f}{row['p99_ms']:>12.3f}   "
+          f"{cpu['total']:.1f} ({cpu['producers']:.1f}+{cpu['service']:.1f}+{cpu['consumers']:.1f}) | "
+          f"{raw['total']:.1f} ({raw['producers']:.1f}+{raw['consumers']:.1f})", flush=True)
 
 
 if __name__ == "__main__":

@@ -7,9 +7,10 @@ equal bytes (``many_small``: 128x128 tensors; ``few_large``: 4 tensors), with 1 
 
     raw_s    one flat uint8 tensor of the same bytes: broadcast + a 1-element allreduce (the cheapest
              "every receiver has it" signal on the same gloo group)
-    push_s   Sender.push: pack, bucketed broadcast into each receiver's buffer (Receiver.fetch, which a
-             generator runs on a thread while its engine keeps generating), per-receiver ack through the
-             store; then every receiver holds the version byte-exact
+    push_s   Sender.push: the buffer of buckets cut into a few equal chunks (the same broadcasts for both
+             layouts), each packed if needed and broadcast into each receiver's buffer (Receiver.fetch,
+             which a generator runs on a thread while its engine keeps generating), per-receiver ack
+             through the store; then every receiver holds the version byte-exact
     pause_s  the slowest receiver's Receiver.apply: the named tensors copied into a plain torch module
              (``param.copy_``, as vLLM's weight loaders do), i.e. what a generator spends paused per update
     live_s   from the push's start until every receiver has applied it (push_s + the swap)
@@ -18,7 +19,9 @@ equal bytes (``many_small``: 128x128 tensors; ``few_large``: 4 tensors), with 1 
              during the run; the machine may be shared)
 
 Raw and push repetitions alternate (after one warm-up of each) so that load from other processes on the
-machine hits both alike; the table shows medians. ``--out`` writes JSON ``{"rows": [...]}``.
+machine hits both alike; the table shows medians, over more repetitions for small sizes (a 2-4 MB transfer
+takes a few ms, as long as one scheduling hiccup on 2 shared cores). ``--out`` writes JSON
+``{"rows": [...]}``.
 
 Storage of the sender's tensors: ``flat`` is what the learner sends from under ZeRO-0 (fp32 parameters are
 moved into one buffer in push order by ``flatten_params``), ZeRO-1/2 and DeepSpeed's bf16/fp16 optimizers
@@ -117,6 +120,7 @@ def receiver_main(port: int, member_id: str, errors) -> None:
             if op["op"] == "cfg":
                 module.clear()
                 buckets = plan(op)
+                rx.chunk_bytes = op["chunk_bytes"]
                 rx.use_layout(buckets)
                 module.update({s.name: torch.zeros(s.shape, dtype=TORCH_DTYPES[s.dtype])
                                for s in model_specs(op["params"], op["layout"], op["dtype"])})
@@ -209,6 +213,7 @@ class Bench:
         specs = model_specs(cfg["params"], cfg["layout"], cfg["dtype"])
         params = make_tensors(specs, seed=cfg["params"] % 1000, storage=cfg["storage"])
         buckets = plan(cfg)
+        self.sender.chunk_bytes = cfg["chunk_bytes"]
         self.sender.use_layout(buckets)
         nbytes = sum(b.nbytes for b in buckets)
         flat = torch.ones(nbytes, dtype=torch.uint8)
@@ -248,29 +253,44 @@ class Bench:
             "params": cfg["params"], "layout": cfg["layout"], "dtype": cfg["dtype"], "receivers": len(self.ids),
             "storage": cfg["storage"], "load": cfg["load"],
             "bytes": nbytes, "bucket_bytes": cfg["bucket_bytes"], "buckets": len(buckets),
+            "chunks": len(self.sender.chunks), "chunk_bytes": self.sender.chunks[0][1] - self.sender.chunks[0][0],
             "push_s": med(times["push"]), "raw_s": med(times["raw"]), "ratio": med(times["raw"]) / med(times["push"]),
             "ratio_paired": med(r / p for r, p in zip(times["raw"], times["push"])),
             "pause_s": med(pauses["push"]), "live_s": med(live),
             "push_min_s": min(times["push"]), "raw_min_s": min(times["raw"]), "reps": reps,
             "raw_cpu_s": med(cpu["raw"]), "push_cpu_s": med(cpu["push"]),
             "pack_s": med(m["sync/pack_s"] for m in push_metrics[1:]),
+            "broadcast_s": med(m["sync/broadcast_s"] for m in push_metrics[1:]),
+            "ack_wait_s": med(m["sync/ack_wait_s"] for m in push_metrics[1:]),
+            "wait_header_s": med(max(r["sync/wait_header_s"] for r in rs) for rs in rx_metrics),
             "transfer_s": med(max(r["sync/transfer_s"] for r in rs) for rs in rx_metrics),
             "load_s": med(max(r["sync/load_s"] for r in rs) for rs in rx_metrics),
         }
         return row
 
 
+def default_reps(cfg: dict) -> int:
+    """Enough repetitions that a size's medians rest on ~0.3 GB moved (30 for 1 M parameters, 5 from
+    about 15 M fp32 up; 3 from 50 M, whose pushes take seconds)."""
+    if cfg["params"] >= 50 * UNIT:
+        return 3
+    nbytes = cfg["params"] * torch.tensor([], dtype=TORCH_DTYPES[cfg["dtype"]]).element_size()
+    return max(5, min(30, int(3e8 / nbytes)))
+
+
 def fmt_row(r: dict) -> str:
     mb = r["bytes"] / 1e6
     return (f"{r['params'] / UNIT:>5.0f}M {r['dtype']:<8} {r['layout']:<10} {r['storage']:<8} {r['receivers']:>3} "
             f"{mb:>8.1f} "
-            f"{r['buckets']:>5} {r['bucket_bytes'] / UNIT:>6.2f} {r['raw_s'] * 1e3:>8.1f} {r['push_s'] * 1e3:>8.1f} "
+            f"{r['buckets']:>5} {r['chunks']:>4} {r['chunk_bytes'] / UNIT:>6.2f} "
+            f"{r['raw_s'] * 1e3:>8.1f} {r['push_s'] * 1e3:>8.1f} "
             f"{r['ratio']:>6.2f} {r['ratio_paired']:>6.2f} {r['pause_s'] * 1e3:>8.1f} {r['live_s'] * 1e3:>8.1f} "
             f"{r['pause_s'] / r['raw_s']:>6.2f} "
             f"{mb / 1e3 / r['push_s']:>6.2f} {r['raw_cpu_s'] * 1e3:>7.1f} {r['push_cpu_s'] * 1e3:>7.1f}")
 
 
-HEADER = (f"{'params':>6} {'dtype':<8} {'layout':<10} {'storage':<8} {'rx':>3} {'MB':>8} {'bkts':>5} {'bktMiB':>6} "
+HEADER = (f"{'params':>6} {'dtype':<8} {'layout':<10} {'storage':<8} {'rx':>3} {'MB':>8} {'bkts':>5} {'chks':>4} "
+          f"{'chkMiB':>6} "
           f"{'raw_ms':>8} {'push_ms':>8} {'ratio':>6} {'paired':>6} {'pause_ms':>8} {'live_ms':>8} {'p/raw':>6} "
           f"{'GB/s':>6} {'raw_cpu':>7} {'pushcpu':>7}")
 
@@ -307,6 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layouts", default="many_small,few_large")
     ap.add_argument("--storage", default="separate,flat", help="sender's tensors: separate and/or flat-backed")
     ap.add_argument("--bucket-mb", type=float, default=None, help="bucket size (default: auto_bucket_bytes)")
+    ap.add_argument("--chunk-mb", type=float, default=None, help="broadcast size (default: auto_chunk_bytes)")
     ap.add_argument("--depth", type=int, default=2, help="sender packing slots (pipeline depth)")
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--load", default="copy", choices=["copy", "none"],
@@ -322,14 +343,15 @@ def main(argv: list[str] | None = None) -> int:
             for storage in args.storage.split(","):
                 for layout in args.layouts.split(","):
                     configs.append({"op": "cfg", "params": params, "layout": layout, "dtype": dtype,
-                                    "bucket_bytes": bucket, "storage": storage, "load": args.load})
+                                    "bucket_bytes": bucket, "storage": storage, "load": args.load,
+                                    "chunk_bytes": int(args.chunk_mb * UNIT) if args.chunk_mb else None})
     rows = []
     print(HEADER, flush=True)
     t0 = time.time()
     for receivers in [int(r) for r in args.receivers.split(",")]:
         with Bench(receivers, args.depth) as bench:
             for cfg in configs:
-                reps = args.reps or (3 if args.quick or cfg["params"] >= 50 * UNIT else 5)
+                reps = args.reps or default_reps(cfg)
                 row = bench.measure(cfg, reps)
                 rows.append(row)
                 print(fmt_row(row), flush=True)

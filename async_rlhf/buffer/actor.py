@@ -24,6 +24,10 @@ class BufferActor:
     def declare_dead(self, consumer: str) -> int:
         return self.service.call(self.service.logic.declare_dead, consumer)
 
+    def restore_admission(self, version: int, consumed: int) -> dict[str, Any]:
+        """A resumed run's admission state (see ``BufferLogic.restore_admission``)."""
+        return self.service.call(self.service.logic.restore_admission, version, consumed)
+
     def stop(self) -> None:
         self.service.stop()
         self.service.logic.store.close()

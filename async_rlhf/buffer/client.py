@@ -20,7 +20,7 @@ import msgpack
 import zmq
 
 from async_rlhf.buffer.curve import CurveClientKeys, secure_client
-from async_rlhf.buffer.frames import as_frames, frames_as_buffers
+from async_rlhf.buffer.frames import as_frames, frames_as_buffers, unpack_sizes
 from async_rlhf.types import Group
 from async_rlhf.wire import decode, encode
 
@@ -186,11 +186,16 @@ class BufferClient:
             yield sent, self.wait_reply("put", rid)["status"]
 
     def _send_put(self, batch: list[bytes], rewards_pending: bool, wait: bool = False) -> Any:
-        """Send one put of encoded groups (inline when all are small, else as frames); with ``wait``, its reply."""
+        """Send one put of encoded groups; with ``wait``, its reply.
+
+        Small groups travel packed: one frame of their bytes back to back and their ``sizes`` in the request
+        (the service keeps views of that frame, no copy); a batch with a large group goes as one frame each.
+        """
         if as_frames(batch):
             rid = self.send_request("put", parts=batch, rewards_pending=rewards_pending)
         else:
-            rid = self.send_request("put", groups=batch, rewards_pending=rewards_pending)
+            rid = self.send_request("put", parts=[b"".join(batch)], sizes=[len(g) for g in batch],
+                                    rewards_pending=rewards_pending)
         return self.wait_reply("put", rid) if wait else rid
 
     def reward(self, group_id: str, rewards: list[float]) -> dict[str, Any]:
@@ -225,7 +230,9 @@ class BufferClient:
         if ack:
             extra["ack"] = list(ack)
         r = self.request("get", timeout_s=wait_s + self.timeout_s, n=n, version=version, wait_s=wait_s,
-                         consumer=consumer or self.consumer, as_bytes=True, **extra)
+                         consumer=consumer or self.consumer, as_bytes=True, packed=True, **extra)
+        if "sizes" in r:  # small groups, back to back in one frame: views of it, no copy
+            return list(r["ids"]), unpack_sizes(r["parts"], r["sizes"])
         return list(r.get("ids", [])), r["parts"] or list(r.get("groups", []))
 
     def ack(self, group_ids: list[str], *, consumer: str | None = None) -> int:

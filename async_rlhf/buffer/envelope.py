@@ -9,6 +9,7 @@ group's oldest token. The learner still builds the full :class:`~async_rlhf.type
 from __future__ import annotations
 
 import math
+import sys
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -19,6 +20,7 @@ ITEMSIZE = {name: np.dtype(name).itemsize for name in ALLOWED_DTYPES}
 ARRAY_KEYS = frozenset({"dtype", "shape", "data"})
 SAMPLE_ARRAYS = ("completion_ids", "logprobs", "versions")
 OPTIONAL_ARRAYS = ("loss_mask", "token_rewards")
+SCALARS = ("generator", "t_start", "t_end")
 
 
 class Envelope(NamedTuple):
@@ -47,6 +49,21 @@ def _array(obj: Any, name: str, ndim: int | None = 1) -> int:
     return shape[0] if shape else 1
 
 
+def _length(obj: Any, sample: int, key: str) -> int:
+    """:func:`_array` of a sample's array, with its common case (a valid 1-D array) checked inline.
+
+    The fast path accepts exactly what ``_array`` accepts; anything else goes to ``_array`` for the refusal
+    and its message (formatted only then: this runs several times per group on the service's hot path).
+    """
+    if type(obj) is dict and obj.keys() == ARRAY_KEYS:
+        shape, data = obj["shape"], obj["data"]
+        if type(shape) is list and len(shape) == 1 and type(data) is bytes:
+            n, size = shape[0], ITEMSIZE.get(obj["dtype"])
+            if type(n) is int and size is not None and n >= 0 and n * size == len(data):
+                return n
+    return _array(obj, f"sample {sample} {key}" if sample >= 0 else "prompt_ids")
+
+
 def inspect_group(obj: Any) -> Envelope:
     """The envelope of a wire group, or :class:`WireError` for exactly what ``Group.from_wire`` refuses."""
     if type(obj) is not dict:
@@ -56,44 +73,47 @@ def inspect_group(obj: Any) -> Envelope:
         raise WireError("malformed", "group_id must be a non-empty string")
     if type(samples) is not list or not samples:
         raise WireError("malformed", "a group needs a non-empty list of samples")
-    if _array(obj.get("prompt_ids"), "prompt_ids") == 0:
+    if _length(obj.get("prompt_ids"), -1, "") == 0:
         raise WireError("malformed", "prompt_ids must be a non-empty 1-D array")
-    for key in ("generator", "t_start", "t_end"):
+    for key in SCALARS:
         value = obj.get(key, 0)
-        if type(value) not in (int, float) or (type(value) is float and not math.isfinite(value)):
+        kind = type(value)
+        if kind is not int and (kind is not float or not math.isfinite(value)):
             raise WireError("malformed", f"group field {key} must be a finite number, got {value!r}")
-    if obj.get("meta") is not None and type(obj["meta"]) is not dict:
+    meta = obj.get("meta")
+    if meta is not None and type(meta) is not dict:
         raise WireError("malformed", "group field meta must be a map")
     min_version: int | None = None
     tokens = 0
     for i, s in enumerate(samples):
         if type(s) is not dict:
             raise WireError("malformed", f"sample {i} must be a map")
-        n = _array(s.get("completion_ids"), f"sample {i} completion_ids")
-        lengths = [n, _array(s.get("logprobs"), f"sample {i} logprobs"),
-                   _array(s.get("versions"), f"sample {i} versions")]
-        for key in OPTIONAL_ARRAYS:
-            if s.get(key) is not None:
-                lengths.append(_array(s[key], f"sample {i} {key}"))
-        if lengths.count(n) != len(lengths):
+        get = s.get
+        n = _length(get("completion_ids"), i, "completion_ids")
+        n_logprobs, n_versions = _length(get("logprobs"), i, "logprobs"), _length(get("versions"), i, "versions")
+        mask, token_rewards = get("loss_mask"), get("token_rewards")
+        n_mask = n if mask is None else _length(mask, i, "loss_mask")
+        n_rewards = n if token_rewards is None else _length(token_rewards, i, "token_rewards")
+        if not n == n_logprobs == n_versions == n_mask == n_rewards:
             raise WireError("malformed", f"sample {i}: completion_ids, logprobs, versions, loss_mask and "
                                          "token_rewards (when given) must be 1-D arrays of one length")
-        reward = s.get("reward")
-        if type(reward) not in (int, float):
+        reward = get("reward")
+        if type(reward) is not float and type(reward) is not int:
             raise WireError("malformed", f"sample {i} reward must be a number, got {reward!r}")
-        mask = s.get("loss_mask")
         if mask is not None and (mask["dtype"] != "uint8" or mask["data"].translate(None, b"\x00\x01")):
             raise WireError("malformed", f"sample {i} loss_mask must be uint8 zeros and ones")
-        if s.get("token_rewards") is not None and s["token_rewards"]["dtype"] != "float32":
+        if token_rewards is not None and token_rewards["dtype"] != "float32":
             raise WireError("malformed", f"sample {i} token_rewards must be float32")
         tokens += n
         if n:
             v = s["versions"]
-            if v["dtype"] == "int32" and n <= 512:  # small: a memoryview is cheaper than a numpy call
-                low = min(memoryview(v["data"]).cast("i"))
+            data = v["data"]
+            if v["dtype"] == "int32" and data == data[:4] * n:  # the usual case: one version for the sample
+                low = int.from_bytes(data[:4], sys.byteorder, signed=True)
             else:
-                low = int(np.frombuffer(v["data"], v["dtype"]).min())
-            min_version = low if min_version is None or low < min_version else min_version
+                low = int(np.frombuffer(data, v["dtype"]).min())
+            if min_version is None or low < min_version:
+                min_version = low
     if min_version is None:
         meta = obj.get("meta") or {}
         start = meta.get("start_version", 0)

@@ -21,7 +21,7 @@ from async_rlhf.buffer.envelope import Envelope, inspect_group
 from async_rlhf.buffer.metrics import LatencyWindow, RateMeter
 from async_rlhf.buffer.policy import check_policy, select, victim
 from async_rlhf.buffer.store import AWAITING, DELIVERED, DROPPED, HELD, TRAINED, MemoryStore, StoredGroup
-from async_rlhf.wire import WireError
+from async_rlhf.wire import WireError, unpack_array
 
 ADMISSION_KEYS = ("version", "accepted", "running")
 PUT_OK, PUT_DUPLICATE, PUT_FULL = "ok", "duplicate", "full"
@@ -30,6 +30,13 @@ ADMIT_MEMORY = 4096
 """How many admit request ids the service remembers: a retried admit is answered from here, never granted twice."""
 REWARD_REFUSALS = {None: "unknown_group", HELD: "already_rewarded", DELIVERED: "already_rewarded",
                    TRAINED: "finished", DROPPED: "finished"}
+
+
+def _newest_version(group: StoredGroup) -> int:
+    """The newest policy version among a stored group's tokens (its start version if it has none)."""
+    wire = group.wire
+    newest = [int(unpack_array(s["versions"]).max()) for s in wire["samples"] if s["versions"]["shape"][0]]
+    return max(newest, default=int((wire.get("meta") or {}).get("start_version", group.min_version)))
 
 
 class BufferLogic:
@@ -147,9 +154,10 @@ class BufferLogic:
         All are checked before any is stored, so one malformed group refuses the whole call (WireError).
         """
         checked = []
+        unpackb = msgpack.unpackb
         for i, data in enumerate(groups):
             try:
-                wire = msgpack.unpackb(data, raw=False, strict_map_key=True)
+                wire = unpackb(data, raw=False, strict_map_key=True)
             except Exception as exc:  # msgpack raises several unrelated types on garbage
                 raise WireError("malformed", f"group {i} of the put is not msgpack ({type(exc).__name__})") from None
             checked.append((inspect_group(wire), data))
@@ -160,9 +168,10 @@ class BufferLogic:
         fresh: list[StoredGroup] = []
         taken: set[str] = set()
         stored = self._stored()
+        state, now = self.store.state, time.time()
         for env, data in checked:
             gid = env.group_id
-            if gid in taken or self.store.state(gid) is not None:
+            if gid in taken or state(gid) is not None:
                 self.counters["duplicates"] += 1
                 status.append(PUT_DUPLICATE)
                 continue
@@ -177,7 +186,7 @@ class BufferLogic:
                 self.store.drop([out.group_id], "evicted", self._meta())
                 stored -= 1
             taken.add(gid)
-            fresh.append(StoredGroup(gid, env.min_version, env.num_samples, env.num_tokens, data))
+            fresh.append(StoredGroup(gid, env.min_version, env.num_samples, env.num_tokens, data, since=now))
             status.append(PUT_OK)
         if fresh:
             self.admission.finished(len(fresh))
@@ -320,6 +329,34 @@ class BufferLogic:
         self.admission.set_version(int(version))
         self.store.save_meta(self._meta())
         return {"version": self.admission.version}
+
+    def restore_admission(self, version: int, consumed: int) -> dict[str, Any]:
+        """Admission state of a run resumed from a checkpoint at learner ``version``, after ``consumed`` groups
+        trained (steps x batch size); called before any generator or learner of the resumed run connects.
+
+        A durable store may hold the killed run's later state: its version (which goes back here), slots its
+        generators held (``running`` = 0), groups delivered to its learners (held again), groups awaiting a
+        late reward its generators will never send (dropped, reason ``reward_lost``), and groups with tokens
+        of versions above ``version``, made by weights the resume rolled back (dropped, reason
+        ``rolled_back``). Prompts of dropped groups are issued again by the driver. The groups kept stay
+        accepted, so admission opens exactly ``max_staleness + 1`` versions' worth beyond what was consumed.
+        """
+        version, consumed = int(version), int(consumed)
+        if version < 0 or consumed < 0:
+            raise ValueError(f"restore_admission needs version and consumed >= 0, got {version}, {consumed}")
+        self._redeliver(list(self.store.delivered()), "resumed")
+        held = list(self.store.held())
+        rolled = [g.group_id for g in held if _newest_version(g) > version]
+        lost = list(self.store.awaiting())
+        a = self.admission
+        a.version, a.running, a.accepted = version, 0, consumed + len(held) - len(rolled)
+        for gids, reason in ((rolled, "rolled_back"), (lost, "reward_lost")):
+            if gids:
+                self.counters[f"dropped_{reason}"] += len(gids)
+                self.store.drop(gids, reason, self._meta())
+        self.store.save_meta(self._meta())
+        return {"version": version, "accepted": a.accepted, "kept": len(held) - len(rolled),
+                "rolled_back": len(rolled), "reward_lost": len(lost)}
 
     # -- metrics ----------------------------------------------------------------------------
     def record_latency(self, kind: str, seconds: float) -> None:

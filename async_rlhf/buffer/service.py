@@ -9,9 +9,11 @@
 Frames (after the ROUTER identity)::
 
     request   [msgpack request]                       every kind; a put carries one group map ("group") or
-                                                      a list of groups' msgpack bytes ("groups"): small batches
-              [put parts=k, rewards_pending] [g1]..[gk]   or k groups as frames (batches with a large group)
+                                                      a list of groups' msgpack bytes ("groups"), or
+              [put parts=1 sizes=[..]] [g1 g2 .. gk]   k small groups packed in one frame (the client's way), or
+              [put parts=k, rewards_pending] [g1]..[gk]   k groups as frames (batches with a large group)
     reply     [msgpack reply]                         a get with as_bytes: ids=[...] and groups=[bytes...], or
+              [reply ids=[..] sizes=[..] parts=1] [g1..gk]   packed (a get with packed=true), or
               [reply ids=[...] parts=k] [g1]..[gk]     parts=k frames (large groups are never copied)
 
 Every request carries ``req_id``; the reply echoes it. A put answers for each group ``ok``, ``duplicate``
@@ -41,7 +43,7 @@ import msgpack
 import zmq
 
 from async_rlhf.buffer.curve import LOOPBACK, CurveServerKeys, secure_server
-from async_rlhf.buffer.frames import as_frames, frames_as_buffers
+from async_rlhf.buffer.frames import as_frames, frames_as_buffers, unpack_sizes
 from async_rlhf.buffer.logic import BufferLogic
 from async_rlhf.wire import WireError, decode, encode
 
@@ -66,6 +68,8 @@ class PendingGet:
     at_least: int | None = None
     as_bytes: bool = False
     """Answer with each group's msgpack bytes as stored (the current client) instead of decoded maps."""
+    packed: bool = False
+    """The client takes small groups packed (one frame, their ``sizes`` in the reply; see frames.py)."""
 
 
 def _consumer(msg: dict[str, Any]) -> str:
@@ -206,7 +210,7 @@ class BufferService:
             self._pending.append(PendingGet(identity, req_id, _count(msg, "n"), _count(msg, "version"),
                                             time.monotonic() + wait_s, _consumer(msg), t_recv,
                                             _count(msg, "at_least") if "at_least" in msg else None,
-                                            msg.get("as_bytes") is True))
+                                            msg.get("as_bytes") is True, msg.get("packed") is True))
             self._serve_pending()
             return kind
         if kind == "admit":
@@ -238,6 +242,8 @@ class BufferService:
         pending = msg.get("rewards_pending", False)
         if not isinstance(pending, bool):
             raise WireError("malformed", "rewards_pending must be true or false")
+        if "sizes" in msg:  # small groups back to back in one frame: stored as views of it
+            return {"status": self.logic.put_many(unpack_sizes(parts, msg["sizes"]), pending)}
         if parts:
             return {"status": self.logic.put_many(parts, pending)}
         if "groups" not in msg:
@@ -259,6 +265,9 @@ class BufferService:
                     datas, ids = [g.data for g in taken], [g.group_id for g in taken]
                     if as_frames(datas):
                         self._reply(p.identity, "reply", p.req_id, datas, ids=ids)
+                    elif p.packed:  # one copy (the join) instead of msgpack's; the client keeps views of it
+                        self._reply(p.identity, "reply", p.req_id, [b"".join(datas)], ids=ids,
+                                    sizes=[len(d) for d in datas])
                     else:
                         self._reply(p.identity, "reply", p.req_id, groups=datas, ids=ids)
                 else:

@@ -166,7 +166,9 @@ class GeneratorActor:
         runner = GroupRunner(self.env, rewards, self.policy, client, group_size=cfg.train.group_size,
                              reward_timeout_s=cfg.rewards.timeout_s, patience_s=patience, generator=self.gen_id,
                              current_version=lambda: self.version, record=self._record,
-                             on_reward_phase=lambda: self.timeline.enter("reward_and_put"))
+                             on_reward_phase=lambda: self.timeline.enter("reward_and_put"),
+                             reward_client=lambda: make_client(cfg, self.buffer_address,
+                                                               consumer=f"generator-{self.gen_id}"))
         self._groups = runner.groups
         eval_params = SamplingParams(max_tokens=gen_cfg.max_new_tokens, temperature=0.0,
                                      output_kind=RequestOutputKind.FINAL_ONLY)

@@ -7,6 +7,11 @@ Coroutines on an event loop owned by the generator's loop thread, run in slices 
                             every reward source immediate?  score_now -> put(group with rewards)
                             otherwise                     put(group, rewards_pending) -> task keeps awaiting
                                                           rewards.score (timeout) -> client.reward(gid, ...)
+                                                                                     on the reward thread
+
+Late rewards are sent from a few threads of their own, each with a client of its own (``reward_client``; a
+ZeroMQ socket belongs to one thread): a slow or restarting buffer then delays that reward only, never the loop,
+the other groups' rewards or the engine steps between which the loop runs.
 
 Kept apart from the Ray actor on purpose: an actor class with ``async def`` methods becomes an asyncio actor
 in Ray, whose synchronous methods then queue behind the long-running loop.
@@ -16,8 +21,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from async_rlhf.buffer.client import BufferClient, with_retry
@@ -27,6 +34,9 @@ from async_rlhf.rewards.base import RewardSource
 
 log = logging.getLogger(__name__)
 
+REWARD_THREADS = 4
+"""Late rewards sent at once; one the buffer is slow to answer holds back none of the others."""
+
 Record = Callable[[str, str, "list[float] | None", str], None]
 """record(event, group_id, rewards, reason): events put | put_pending | rewarded | dropped | <counter name>."""
 
@@ -35,8 +45,15 @@ class GroupRunner:
     def __init__(self, env: Environment, rewards: RewardSource, policy: Policy, client: BufferClient, *,
                  group_size: int, reward_timeout_s: float, patience_s: float, generator: int,
                  current_version: Callable[[], int], record: Record,
-                 on_reward_phase: Callable[[], None] = lambda: None) -> None:
+                 on_reward_phase: Callable[[], None] = lambda: None,
+                 reward_client: Callable[[], BufferClient] | None = None) -> None:
+        """``reward_client``: makes the client late rewards are sent with (called once on each reward thread);
+        None shares ``client``, which must then be safe to call from other threads."""
         self.env, self.rewards, self.policy, self.client = env, rewards, policy, client
+        self._reward_client_factory = reward_client
+        self._local = threading.local()
+        self._reward_clients: list[BufferClient] = []
+        self._reward_pool = ThreadPoolExecutor(max_workers=REWARD_THREADS, thread_name_prefix="late-reward")
         self.group_size = group_size
         self.reward_timeout_s = reward_timeout_s
         self.patience_s = patience_s
@@ -71,6 +88,24 @@ class GroupRunner:
 
     def close(self) -> None:
         self.loop.close()
+        self._reward_pool.shutdown(wait=False, cancel_futures=True)
+        # a send still under way may retry for patience_s: its client is closed once the threads are done
+        threading.Thread(target=self._close_reward_clients, name="late-reward-close", daemon=True).start()
+
+    def _close_reward_clients(self) -> None:
+        self._reward_pool.shutdown(wait=True)
+        for client in self._reward_clients if self._reward_client_factory is not None else []:
+            client.close()
+        self._reward_clients.clear()
+
+    def _send_reward(self, gid: str, returns: list[float]) -> dict[str, Any]:
+        """Runs on a reward thread: the blocking request, retried while the buffer is unreachable."""
+        client = getattr(self._local, "client", None)
+        if client is None:
+            factory = self._reward_client_factory
+            client = self._local.client = factory() if factory is not None else self.client
+            self._reward_clients.append(client)
+        return with_retry(lambda: client.reward(gid, returns), f"reward {gid}", self.patience_s)
 
     async def _play(self, gid: str, prompt: Prompt, ids: list[int]) -> None:
         n, start_version, t_start = self.group_size, self.current_version(), time.time()
@@ -130,7 +165,12 @@ class GroupRunner:
             self.record("reward_errors", gid, None, f"reward_error: {exc!r}")
             return
         returns = [t.env_return + f for t, f in zip(trajs, final)]
-        answer = with_retry(lambda: self.client.reward(gid, returns), f"reward {gid}", self.patience_s)
+        try:
+            answer = await self.loop.run_in_executor(self._reward_pool, self._send_reward, gid, returns)
+        except Exception as exc:  # noqa: BLE001 - the buffer stayed unreachable: counted, the buffer drops it
+            log.warning("generator %d: could not send the late reward of %s: %s", self.generator, gid, exc)
+            self.record("reward_errors", gid, None, f"reward_send_error: {exc!r}")
+            return
         # this runner rewards each group once, so "already_rewarded" means a retry whose first reply was lost
         if not answer["ok"] and answer.get("reason") != "already_rewarded":  # e.g. dropped: deadline passed
             log.warning("generator %d: the buffer refused the late reward of %s: %s", self.generator, gid,

@@ -1,7 +1,9 @@
 """Control plane of the weight push: the TCPStore keys and the small JSON messages under them (pure).
 
-Tensors travel on a gloo/NCCL process group; everything else (who is in the group, which version a push
-carries, who acknowledged it) travels through the TCPStore that the sender hosts. The store outlives
+Tensors and the acknowledgement of a push travel on a gloo/NCCL process group; everything else (who is in
+the group, which version a push carries, who failed and why) travels through the TCPStore that the sender
+hosts: a store round trip costs about as much as a 1 MB transfer on a loaded 2-core machine, so the
+fast path of a push has a single one (the header). The store outlives
 every process group: when membership changes, the sender opens a new *epoch* (a new process group on a
 fresh key prefix of the same store), so a joiner only ever needs the store's address.
 
@@ -23,15 +25,19 @@ Join, rebuild, push, ack (k counts push headers within an epoch; every wait has 
         wait(e'/ready/<id> for every member) <-------  set(e'/ready/gen1)
         set(e'/go) ---------------------------------> wait(e'/go)
         build the group of e' (rank 0) <=============> build the group of e' (rendezvous on e'/pg/)
-      set(e'/hdr/k, {"version": v, "layout": digest}) -> wait(e'/hdr/k); refuse a foreign layout
-      broadcast buckets 0..B-1 ======================> receive every bucket into the buffer (on a thread:
+      post broadcast of chunk 0, then
+      set(e'/hdr/k, {"version": v, "layout": digest}) -> wait(e'/hdr/k); refuse a foreign layout (its
+                                                       digest covers the chunks too)
+      broadcast chunks 0..C-1 =======================> receive every chunk into the buffer (on a thread:
                                                        the engine keeps generating)
-      wait(e'/ack/k/<id> for every member) <--------  set(e'/ack/k/gen1, "ok")
-      all "ok" by the deadline: every member holds v      (own failure: "error: ...", then add(e'/failed/k))
+      ack: allreduce(-n * v) <=======================> allreduce(v): this member holds v whole
+      sum 0 by the deadline: every member holds v         (own failure instead: set(e'/ack/k/gen1, "error:
+                                                       ..."), then add(e'/failed/k); no allreduce)
                                                       between two engine steps: load v, then
       live_times(): v is live at gen1 from then <----  set(e'/live/k/gen1, wall time)
-      else: set(e'/abort/k) --------------------------> receivers still waiting on a bucket give up within
-            collect reports for a short grace               a slice and report "aborted: ..."
+      else: set(e'/abort/k) --------------------------> receivers still waiting on a chunk or the ack give
+            collect reports for a short grace               up within a slice and report "aborted: ..."
+                                                            under e'/ack/k/<id>
             raise PushError(missing, errors, aborted); the next push opens a new epoch
 
 ``missing`` (no report at all: dead or hung) and ``errors`` (reported its own failure) are the members to

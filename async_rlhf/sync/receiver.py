@@ -1,9 +1,11 @@
 """Receiver side of the weight push (inside a generator's vLLM worker). Mirrors the sender.
 
 The receiver owns one byte buffer holding every bucket (allocated on the first push, reused by every
-later one). An update has two phases, so that the engine stands still only for the second::
+later one), and receives the push's chunks straight into it: nothing is done per tensor during the
+transfer (the named views are built once per layout). An update has two phases, so that the engine
+stands still only for the second::
 
-    fetch():  wait(hdr k) -> post recv(bucket 0..B-1) -> wait all -> ack "ok"      (engine keeps generating,
+    fetch():  wait(hdr k) -> post recv(chunk 0..C-1) -> wait all -> ack (allreduce) (engine keeps generating,
                                                                                  fetch runs on a thread)
     apply():  load(every bucket's named tensors) -> live key (wall time)          (engine paused between
                                                                                  two steps: the swap)
@@ -49,8 +51,8 @@ from async_rlhf.sync.group import (
     store_wait,
     wait_work,
 )
-from async_rlhf.sync.layout import Bucket, layout_digest
-from async_rlhf.sync.tensors import arena_offsets, named_views
+from async_rlhf.sync.layout import Bucket, auto_chunk_bytes
+from async_rlhf.sync.tensors import arena_offsets, chunk_ranges, named_views, wire_digest
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +90,9 @@ class Receiver:
     """A generator's end of the push group. Not thread-safe: call from one thread (the engine loop)."""
 
     def __init__(self, buckets: list[Bucket], member_id: str, host: str, port: int, backend: str = "gloo",
-                 timeout_s: float = 120.0, slice_s: float = 0.2) -> None:
+                 timeout_s: float = 120.0, slice_s: float = 0.2, chunk_bytes: int | None = None) -> None:
+        """``chunk_bytes``: the sender's (default :func:`auto_chunk_bytes`, as the sender's default)."""
+        self.chunk_bytes = chunk_bytes
         self.me = P.Member(member_id, "")
         P.decode_join(P.encode_join(self.me))  # validates the id (join() draws the nonce)
         self.backend, self.timeout_s, self.slice_s = backend, timeout_s, slice_s
@@ -113,8 +117,9 @@ class Receiver:
     def use_layout(self, buckets: list[Bucket]) -> None:
         """Set the bucket layout (the sender's); the buffer is allocated on the next receive."""
         self.buckets = buckets
-        self.layout_digest = layout_digest(buckets)
         self._offsets, self._arena_bytes = arena_offsets(buckets)
+        self.chunks = chunk_ranges(self._arena_bytes, self.chunk_bytes or auto_chunk_bytes(self._arena_bytes))
+        self.layout_digest = wire_digest(buckets, self.chunks)
         self._arena: torch.Tensor | None = None
         self._views: list[list[tuple[str, torch.Tensor]]] = []
 
@@ -198,7 +203,6 @@ class Receiver:
         except Exception as exc:
             self._report(e, k, exc)
             raise ReceiveError(f"member {self.me.id} failed to receive version {version}: {exc}") from exc
-        self.store.set(P.ack_key(e, k, self.me.id), "ok")
         return Staged(version, e, k, {"sync/wait_header_s": t_header - t0,
                                       "sync/transfer_s": time.perf_counter() - t_header})
 
@@ -251,11 +255,20 @@ class Receiver:
         def abort() -> str | None:
             return "the sender aborted this push" if self.store.check([aborted]) else None
 
-        self.arena()
-        works = [post_broadcast(self._pg, self._bucket_bytes(i)) for i in range(len(self.buckets))]
+        arena = self.arena()
+        works = [post_broadcast(self._pg, arena[start:end]) for start, end in self.chunks]
         self._works = works
-        for i, w in enumerate(works):
-            wait_work(w, deadline, f"bucket {i} of version {version}", abort, self.slice_s)
+        for c, w in enumerate(works):
+            wait_work(w, deadline, f"chunk {c} of version {version}", abort, self.slice_s)
+        # the acknowledgement (see Sender.push): this member holds ``version`` whole. The collective needs
+        # every member, so if it fails, another one did (this one's bytes are all here): a victim's report
+        works.append(self._pg.allreduce([torch.tensor([version], dtype=torch.int64)]))
+        try:
+            wait_work(works[-1], deadline, f"the acknowledgement of version {version}", abort, self.slice_s)
+        except Aborted:
+            raise
+        except SyncError as exc:
+            raise Aborted(f"the acknowledgement of version {version} aborted: another member failed ({exc})") from exc
 
     def _report(self, e: int, k: int, exc: Exception) -> None:
         victim = _caused_by(exc, Aborted)  # load() (vLLM) may wrap what our iterator raised

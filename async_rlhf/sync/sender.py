@@ -3,14 +3,14 @@
 The sender hosts the store, decides membership (members change only at a version boundary, i.e. at
 the start of a push), and pushes versions. The protocol is drawn in :mod:`async_rlhf.sync.protocol`.
 
-Data path of one push, per bucket i (a bucket is a byte range; see :mod:`async_rlhf.sync.layout`)::
+Data path of one push, per chunk c (a byte range of the arena; see :mod:`async_rlhf.sync.tensors`)::
 
-    its tensors lie back to back in one  -> broadcast that storage range (no copy): a lone contiguous
-    storage (or it holds one tensor)        tensor, or parameters kept flat (``flatten_params``)
-    otherwise                            -> wait until slot i % depth is free, copy the tensors into it
-                                            (one fused copy), post its broadcast without waiting
-    ...                                     packing bucket i + 1 overlaps the transfer of bucket i
-    wait for every broadcast, then for every member's ack, all bounded by one deadline
+    its pieces lie in parameter memory  -> broadcast that storage range (no copy): a part of one
+    where the chunk puts them              contiguous tensor, or parameters kept flat (``flatten_params``)
+    otherwise                           -> wait until slot c % depth is free, copy the pieces into it
+                                           (one fused copy), post its broadcast without waiting
+    ...                                    packing chunk c + 1 overlaps the transfer of chunk c
+    wait for every broadcast, then the ack (one allreduce of versions), all bounded by one deadline
 
 Usage on learner rank 0::
 
@@ -29,7 +29,6 @@ import contextlib
 import logging
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -46,8 +45,16 @@ from async_rlhf.sync.group import (
     store_wait,
     wait_work,
 )
-from async_rlhf.sync.layout import Bucket, layout_digest
-from async_rlhf.sync.tensors import TORCH_DTYPES, adjacent_bytes, aligned, as_bytes, dtype_name
+from async_rlhf.sync.layout import Bucket, auto_chunk_bytes
+from async_rlhf.sync.tensors import (
+    TORCH_DTYPES,
+    arena_offsets,
+    chunk_pieces,
+    chunk_ranges,
+    dtype_name,
+    in_place_chunk,
+    wire_digest,
+)
 
 __all__ = ["PushError", "Sender", "TORCH_DTYPES", "dtype_name"]
 
@@ -79,25 +86,18 @@ class PushError(SyncError):
         return self.missing + [m for m in self.errors if m not in self.missing]
 
 
-@dataclass(frozen=True)
-class _Plan:
-    """How one bucket leaves the sender: straight from the parameter, or packed into a ring slot."""
-
-    names: tuple[str, ...]
-    shapes: tuple[torch.Size, ...]
-    dtype: torch.dtype
-    nbytes: int
-    slot: int | None  # None: a lone tensor, sent from its own storage (made contiguous if it is not)
-
-
 class Sender:
     """Learner rank 0's end of the push group. Not thread-safe: call from one thread."""
 
     def __init__(self, buckets: list[Bucket], host: str = "127.0.0.1", port: int = 0, backend: str = "gloo",
-                 timeout_s: float = 120.0, pipeline_depth: int = 2, slice_s: float = 0.2) -> None:
+                 timeout_s: float = 120.0, pipeline_depth: int = 2, slice_s: float = 0.2,
+                 chunk_bytes: int | None = None) -> None:
+        """``chunk_bytes``: size of one broadcast (default :func:`auto_chunk_bytes`); receivers must use the
+        same (the push header's digest covers it, a receiver cutting otherwise refuses the push)."""
         if pipeline_depth < 1:
             raise ValueError("pipeline_depth must be at least 1")
         self.backend, self.timeout_s, self.depth, self.slice_s = backend, timeout_s, pipeline_depth, slice_s
+        self.chunk_bytes = chunk_bytes
         self.store = host_store(host, port, timeout_s)
         self.host, self.port = host, self.store.port
         self.epoch = -1
@@ -191,15 +191,14 @@ class Sender:
     # -- data path ----------------------------------------------------------------------------------
     def use_layout(self, buckets: list[Bucket]) -> None:
         """Set the bucket layout (receivers must use the same); reallocates the packing slots lazily."""
-        plans, packed = [], 0
-        for b in buckets:
-            multi = len(b.entries) > 1
-            plans.append(_Plan(tuple(e.name for e in b.entries), tuple(torch.Size(e.shape) for e in b.entries),
-                               TORCH_DTYPES[b.dtype], b.nbytes, packed % self.depth if multi else None))
-            packed += multi
-        self.buckets, self._plans = buckets, plans
-        self.layout_digest = layout_digest(buckets)
-        self._slot_bytes = max([aligned(p.nbytes) for p in plans if p.slot is not None], default=0)
+        _, total = arena_offsets(buckets)
+        self.chunks = chunk_ranges(total, self.chunk_bytes or auto_chunk_bytes(total))
+        self.buckets = buckets
+        self.layout_digest = wire_digest(buckets, self.chunks)
+        self._pieces = chunk_pieces(buckets, self.chunks)
+        self._names = [e.name for b in buckets for e in b.entries]
+        self._shapes = [(torch.Size(e.shape), TORCH_DTYPES[b.dtype]) for b in buckets for e in b.entries]
+        self._slot_bytes = max((end - start for start, end in self.chunks), default=0)
         self._slots: list[torch.Tensor] = []
         self._dst: dict[int, list[torch.Tensor]] = {}
 
@@ -209,23 +208,26 @@ class Sender:
             self._slots.append(torch.empty(self._slot_bytes, dtype=torch.uint8))
         return self._slots[slot]
 
-    def _destinations(self, i: int) -> list[torch.Tensor]:
-        """Typed views of bucket i's tensors in its slot (computed once per layout)."""
-        if i not in self._dst:
-            plan, b = self._plans[i], self.buckets[i]
-            flat = self._slot(plan.slot)[:plan.nbytes].view(plan.dtype)
-            self._dst[i] = [flat[e.offset:e.offset + e.numel].view(e.shape) for e in b.entries]
-        return self._dst[i]
+    def _destinations(self, c: int) -> list[torch.Tensor]:
+        """Typed views of chunk c's pieces in its slot (computed once per layout)."""
+        if c not in self._dst:
+            raw = self._slot(c % self.depth)
+            views = []
+            for p in self._pieces[c]:
+                n = (p.stop - p.start) * TORCH_DTYPES[p.dtype].itemsize
+                view = raw[p.at:p.at + n].view(TORCH_DTYPES[p.dtype])
+                views.append(view.view(self._shapes[p.index][0]) if p.whole else view)
+            self._dst[c] = views
+        return self._dst[c]
 
-    def _sources(self, i: int, params: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
-        """Bucket i's tensors, checked against the layout (a cheap check: ~1 us per tensor)."""
-        plan = self._plans[i]
-        srcs = [params[name] for name in plan.names]
-        for name, shape, t in zip(plan.names, plan.shapes, srcs):
-            if t.shape != shape or t.dtype != plan.dtype:
+    def _tensors(self, params: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
+        """Every tensor of the layout in order, checked against it (a cheap check: ~1 us per tensor)."""
+        out = [params[name] for name in self._names]
+        for name, (shape, dtype), t in zip(self._names, self._shapes, out):
+            if t.shape != shape or t.dtype != dtype:
                 raise ValueError(f"parameter {name} is {tuple(t.shape)} {t.dtype}, the layout says {tuple(shape)} "
-                                 f"{plan.dtype}: rebuild the layout")
-        return srcs
+                                 f"{dtype}: rebuild the layout")
+        return out
 
     @torch.no_grad()
     def push(self, params: Mapping[str, torch.Tensor], version: int) -> dict[str, float]:
@@ -237,6 +239,7 @@ class Sender:
         """
         t0 = time.perf_counter()
         deadline = time.monotonic() + self.timeout_s
+        tensors = self._tensors(params)  # a layout mismatch raises here, before anything is announced
         self._take_joiners()
         rebuilt = bool(self._queued or self._dropped or self._broken)
         if rebuilt:
@@ -250,7 +253,8 @@ class Sender:
                     "sync/acked_time": time.time()}
         e, k = self.epoch, self._k
         self._k += 1
-        self.store.set(P.header_key(e, k), P.Header(version=version, layout=self.layout_digest).encode())
+        header = P.Header(version=version, layout=self.layout_digest).encode()
+        announced = False
         failed = P.failed_key(e, k)
 
         def abort() -> str | None:
@@ -261,35 +265,45 @@ class Sender:
         slot_work: dict[int, dist.Work] = {}
         pack_s = 0.0
         try:
-            for i, plan in enumerate(self._plans):
-                srcs = self._sources(i, params)
-                data = adjacent_bytes(srcs, self.buckets[i])  # back to back in one storage: as is
-                packed = data is None and plan.slot is not None
-                if data is None and plan.slot is None:
-                    data = as_bytes(srcs[0].detach().contiguous())
-                elif packed:
-                    if plan.slot in slot_work:  # the slot's previous bucket must be on the wire first
-                        wait_work(slot_work.pop(plan.slot), deadline, f"broadcast of version {version}", abort,
+            for c, (start, end) in enumerate(self.chunks):
+                pieces = self._pieces[c]
+                srcs = [tensors[p.index] for p in pieces]
+                data = in_place_chunk(pieces, srcs, end - start)  # already where the chunk puts it: as is
+                if data is None:
+                    slot = c % self.depth
+                    if slot in slot_work:  # the slot's previous chunk must be on the wire first
+                        wait_work(slot_work.pop(slot), deadline, f"broadcast of version {version}", abort,
                                   self.slice_s)
                     tp = time.perf_counter()
-                    torch._foreach_copy_(self._destinations(i), srcs)
+                    torch._foreach_copy_(self._destinations(c), [
+                        t if p.whole else t.detach().reshape(-1)[p.start:p.stop] for p, t in zip(pieces, srcs)])
                     pack_s += time.perf_counter() - tp
-                    data = self._slot(plan.slot)[:plan.nbytes]
-                works.append(post_broadcast(self._pg, data))
-                if packed:
-                    slot_work[plan.slot] = works[-1]
-            for i, w in enumerate(works):
-                wait_work(w, deadline, f"broadcast of bucket {i} of version {version}", abort, self.slice_s)
+                    data = self._slot(slot)[:end - start]
+                    works.append(post_broadcast(self._pg, data))
+                    slot_work[slot] = works[-1]
+                else:
+                    works.append(post_broadcast(self._pg, data))
+                if not announced:  # the header's store round trip overlaps the first chunk's transfer
+                    self.store.set(P.header_key(e, k), header)
+                    announced = True
+            for c, w in enumerate(works):
+                wait_work(w, deadline, f"broadcast of chunk {c} of version {version}", abort, self.slice_s)
             t_sent = time.perf_counter()
-            acks = self._await_acks(e, k, deadline)
+            # the acknowledgement: one collective on the group, to which every member contributes the version
+            # it received whole (no store round trips); a member that failed reports through the store
+            ack = torch.tensor([-version * len(self._members)], dtype=torch.int64)
+            works.append(self._pg.allreduce([ack]))
+            wait_work(works[-1], deadline, f"acknowledgements of version {version}", abort, self.slice_s)
+            if int(ack.item()) != 0:
+                raise SyncError(f"members acknowledged another version than {version} (sum {int(ack.item())})")
         except SyncError as exc:
             self._fail(e, k, version, exc)
-        except BaseException:  # e.g. a layout mismatch: receivers must not wait for the rest
+        except BaseException:  # e.g. an interrupt: receivers must not wait for the rest
             self._broken = True
+            if not announced:
+                self.store.set(P.header_key(e, k), header)
             self.store.set(P.abort_key(e, k), "the sender failed")
             raise
-        if any(v != "ok" for v in acks.values()):
-            self._fail(e, k, version, SyncError("a member reported a failure"), known=acks)
         self.version = version
         self._last = (e, k, [m.id for m in self._members])
         t_done = time.perf_counter()
@@ -322,12 +336,6 @@ class Sender:
             text = raw.decode()
             out[m] = text if text.startswith("error") else float(text)
         return out
-
-    def _await_acks(self, e: int, k: int, deadline: float) -> dict[str, str]:
-        keys = {m.id: P.ack_key(e, k, m.id) for m in self._members}
-        store_wait(self.store, list(keys.values()), deadline, "acknowledgements")
-        values = self.store.multi_get(list(keys.values()))
-        return {m: v.decode() for m, v in zip(keys, values)}
 
     def _fail(self, e: int, k: int, version: int, cause: Exception, known: dict[str, str] | None = None) -> None:
         """Tell receivers to give up, collect who reported what, raise :class:`PushError`."""

@@ -2,15 +2,31 @@
 
 Sending bytes rather than typed tensors lets one reusable buffer serve buckets of every dtype, and the
 backend never has to support the dtype (gloo's support for bf16 or fp8 varies; bytes always work).
+
+The buckets (see :mod:`async_rlhf.sync.layout`) say where each tensor lies in one byte buffer, the *arena*
+(bucket i at ``arena_offsets(...)[0][i]``). What travels is that arena cut into a few equal *chunks*,
+whatever the tensors: a many-small-tensors model and a few-large-tensors model of equal bytes make the
+same broadcasts, and the receiver receives straight into its arena, doing nothing per tensor::
+
+    arena   | bucket 0: a b c d ... | pad | bucket 1: e (large) ......................... | pad |
+    chunks  | chunk 0 ...................... | chunk 1 ...................... | chunk 2 ...... |
+    pieces    a b c d ... e[:n]                e[n:m]                           e[m:]
+
+A chunk's *pieces* are the (parts of) tensors in it. The sender sends a chunk straight from parameter
+memory when its pieces lie there exactly as in the arena (one tensor, or parameters moved into one
+buffer by :func:`flatten_params`); otherwise it packs them into a slot (one fused copy).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 
-from async_rlhf.sync.layout import Bucket
+from async_rlhf.sync.layout import DTYPE_BYTES, Bucket, layout_to_wire
 
 TORCH_DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
                 "bfloat16": torch.bfloat16, "int64": torch.int64, "int32": torch.int32, "uint8": torch.uint8}
@@ -36,6 +52,87 @@ def arena_offsets(buckets: list[Bucket]) -> tuple[list[int], int]:
     return offsets, end
 
 
+def chunk_ranges(total: int, chunk_bytes: int) -> list[tuple[int, int]]:
+    """The arena's bytes ``[0, total)`` cut into ceil(total / chunk_bytes) near-equal ranges whose
+    boundaries are multiples of ALIGN (so they fall between elements of every dtype)."""
+    if chunk_bytes <= 0:
+        raise ValueError("chunk_bytes must be positive")
+    if total <= 0:
+        return []
+    n = -(-total // chunk_bytes)
+    size = aligned(-(-total // n))
+    return [(s, min(s + size, total)) for s in range(0, total, size)]
+
+
+def wire_digest(buckets: list[Bucket], chunks: list[tuple[int, int]]) -> str:
+    """Fingerprint of what a push puts on the wire (layout and chunks): the push header carries the
+    sender's; a receiver that would cut the arena otherwise refuses the push instead of misreading it."""
+    text = json.dumps([layout_to_wire(buckets), chunks], separators=(",", ":"))
+    return hashlib.sha1(text.encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Elements ``[start, stop)`` of tensor number ``index`` (in layout order), at byte ``at`` of a chunk."""
+
+    index: int
+    dtype: str
+    start: int
+    stop: int
+    at: int
+    whole: bool
+
+
+def chunk_pieces(buckets: list[Bucket], chunks: list[tuple[int, int]]) -> list[list[Piece]]:
+    """For each chunk, the pieces of tensors it carries, in arena order (pure; computed once per layout)."""
+    offsets, _ = arena_offsets(buckets)
+    spans = []  # (first byte in the arena, tensor index, dtype, numel)
+    index = 0
+    for off, b in zip(offsets, buckets):
+        size = DTYPE_BYTES[b.dtype]
+        for e in b.entries:
+            spans.append((off + e.offset * size, index, b.dtype, e.numel))
+            index += 1
+    spans.sort()
+    out: list[list[Piece]] = [[] for _ in chunks]
+    c = 0
+    for lo, i, dtype, numel in spans:
+        size = DTYPE_BYTES[dtype]
+        hi = lo + numel * size
+        while c < len(chunks) and chunks[c][1] <= lo:
+            c += 1
+        j = c
+        while j < len(chunks) and chunks[j][0] < hi:
+            a, b = max(lo, chunks[j][0]), min(hi, chunks[j][1])
+            start, stop = (a - lo) // size, (b - lo) // size
+            out[j].append(Piece(i, dtype, start, stop, a - chunks[j][0], stop - start == numel))
+            j += 1
+    return out
+
+
+def in_place_chunk(pieces: list[Piece], srcs: list[torch.Tensor], nbytes: int) -> torch.Tensor | None:
+    """A chunk's bytes straight from its tensors' storage, if every piece lies there where the chunk puts
+    it (a part of one contiguous tensor, or parameters kept flat); else None (then: pack). ``srcs``: the
+    pieces' tensors. Bytes between pieces (bucket padding) are whatever that storage holds there."""
+    if not pieces:
+        return None
+    first, p0 = srcs[0], pieces[0]
+    if not first.is_contiguous():
+        return None
+    size = first.element_size()
+    zero = first.data_ptr() + p0.start * size - p0.at  # where the chunk's byte 0 would be
+    for p, t in zip(pieces, srcs):
+        if t.data_ptr() + p.start * t.element_size() != zero + p.at or not t.is_contiguous():
+            return None
+    # every piece sits where the chunk puts it; sending the range is exact if the first tensor's storage
+    # covers it (then it is that storage's memory, whatever objects alias it)
+    storage = first.untyped_storage()
+    start = (first.storage_offset() + p0.start) * size - p0.at
+    if start < 0 or start + nbytes > storage.nbytes():
+        return None
+    return torch.empty(0, dtype=torch.uint8, device=first.device).set_(storage, start, (nbytes,))
+
+
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
     """A contiguous tensor's storage as a flat uint8 view (no copy)."""
     return t.reshape(-1).view(torch.uint8)
@@ -45,27 +142,6 @@ def named_views(raw: torch.Tensor, bucket: Bucket) -> list[tuple[str, torch.Tens
     """The bucket's named tensors as typed, shaped views into its raw bytes (no copy)."""
     flat = raw[:bucket.nbytes].view(TORCH_DTYPES[bucket.dtype])
     return [(e.name, flat[e.offset:e.offset + e.numel].view(e.shape)) for e in bucket.entries]
-
-
-def adjacent_bytes(srcs: list[torch.Tensor], bucket: Bucket) -> torch.Tensor | None:
-    """The bucket's bytes straight from its tensors' storage, if they lie there back to back in the
-    bucket's order (a lone contiguous tensor, or parameters kept flat); else None (then: pack)."""
-    first = srcs[0]
-    if not first.is_contiguous():
-        return None
-    size = first.element_size()
-    base = first.data_ptr()
-    for t, e in zip(srcs, bucket.entries):
-        if t.data_ptr() != base + e.offset * size or not t.is_contiguous():
-            return None
-    # every tensor's bytes sit where the bucket puts them; sending the range is exact if the first
-    # tensor's storage covers it (then it is that storage's memory, whatever objects alias it)
-    storage = first.untyped_storage()
-    start = first.storage_offset() * size
-    nbytes = bucket.numel * size
-    if start + nbytes > storage.nbytes():
-        return None
-    return torch.empty(0, dtype=torch.uint8, device=first.device).set_(storage, start, (nbytes,))
 
 
 @torch.no_grad()

@@ -28,6 +28,7 @@ pytestmark = pytest.mark.distributed
 
 HOST = "127.0.0.1"
 BUCKET_BYTES = 256
+CHUNK_BYTES = 512  # several broadcasts per push: tensors split over chunks, chunks across buckets
 SPAWN_S = 90.0  # spawning and importing torch under load: generous, and never part of a measured timeout
 PUSH_TIMEOUT_S = 4.0
 
@@ -69,14 +70,15 @@ def _exit(out, code: int = 0) -> None:
 
 
 class _BreaksMidPush(Receiver):
-    """A receiver process that dies (exit code 3) or hangs once the first bucket of a push has arrived."""
+    """A receiver process that dies (exit code 3) or hangs once the first chunk of a push has arrived."""
 
     action: str
     out: object
 
     def _transfer(self, version: int, e: int, k: int, deadline: float) -> None:
-        self.arena()
-        works = [post_broadcast(self._pg, self._bucket_bytes(i)) for i in range(len(self.buckets))]
+        arena = self.arena()
+        works = [post_broadcast(self._pg, arena[start:end]) for start, end in self.chunks]
+        assert len(works) > 1
         works[0].wait()  # mid-push
         self.out.put((self.me.id, self.action, None))
         if self.action == "die_mid_push":
@@ -94,7 +96,8 @@ def _member(port: int, member_id: str, layout: list, actions: list[str], out) ->
             for name, t in it:
                 model[name].copy_(t)
 
-        rx = Receiver(layout_from_wire(layout), member_id, HOST, port, timeout_s=PUSH_TIMEOUT_S, slice_s=0.1)
+        rx = Receiver(layout_from_wire(layout), member_id, HOST, port, timeout_s=PUSH_TIMEOUT_S, slice_s=0.1,
+                      chunk_bytes=CHUNK_BYTES)
         for action in actions:
             if action == "join":
                 out.put((member_id, "joined", rx.join(timeout_s=SPAWN_S)))
@@ -102,7 +105,7 @@ def _member(port: int, member_id: str, layout: list, actions: list[str], out) ->
                 got = rx.receive(load, timeout_s=SPAWN_S)
                 out.put((member_id, "received", (got.version, got.epoch, digest(model), got.metrics)))
             elif action in ("die_mid_push", "hang_mid_push"):
-                rx.__class__ = _BreaksMidPush  # same state; its transfer stops after the first bucket
+                rx.__class__ = _BreaksMidPush  # same state; its transfer stops after the first chunk
                 rx.action, rx.out = action, out
                 rx.receive(load, timeout_s=SPAWN_S)
             elif action == "recv_any":
@@ -191,7 +194,8 @@ def test_versions_round_trip_every_dtype_to_two_receivers(members):
     buckets = layout_from_wire(layout_wire())
     assert {b.dtype for b in buckets} == {"float32", "bfloat16", "float16", "int64", "float64", "uint8", "int32"}
     assert any(len(b.entries) > 1 for b in buckets) and any(b.nbytes > BUCKET_BYTES for b in buckets)
-    sender = Sender(buckets, HOST, free_port(), timeout_s=PUSH_TIMEOUT_S, slice_s=0.1)
+    sender = Sender(buckets, HOST, free_port(), timeout_s=PUSH_TIMEOUT_S, slice_s=0.1, chunk_bytes=CHUNK_BYTES)
+    assert len(sender.chunks) > 2
     for mid in ("gen0", "gen1"):
         members.start(sender.port, mid, ["join", "recv", "recv"])
     sender.form(["gen0", "gen1"], timeout_s=SPAWN_S)
@@ -216,7 +220,8 @@ def test_versions_round_trip_every_dtype_to_two_receivers(members):
 
 
 def test_dead_and_hung_receivers_are_named_then_group_rebuilt_and_late_joiner_served(members):
-    sender = Sender(layout_from_wire(layout_wire()), HOST, free_port(), timeout_s=PUSH_TIMEOUT_S, slice_s=0.1)
+    sender = Sender(layout_from_wire(layout_wire()), HOST, free_port(), timeout_s=PUSH_TIMEOUT_S, slice_s=0.1,
+                    chunk_bytes=CHUNK_BYTES)
     members.start(sender.port, "gen0", ["join", "recv", "recv_any", "recv", "recv_any", "recv"])
     members.start(sender.port, "gen1", ["join", "recv", "die_mid_push"])
     members.start(sender.port, "gen2", ["join", "recv", "recv_any", "recv", "hang_mid_push"])
@@ -225,7 +230,7 @@ def test_dead_and_hung_receivers_are_named_then_group_rebuilt_and_late_joiner_se
     for mid in ("gen0", "gen1", "gen2"):
         assert members.wait_for(mid, "received")[0] == 1
 
-    # v2: gen1 dies after its first bucket. The push fails within the timeout, naming gen1 alone.
+    # v2: gen1 dies after its first chunk. The push fails within the timeout, naming gen1 alone.
     t0 = time.monotonic()
     with pytest.raises(PushError) as info:
         sender.push(make_params(2), 2)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import zmq
 
-from async_rlhf.buffer.client import BufferClient, encode_group
+from async_rlhf.buffer.client import BufferClient, BufferRequestError, encode_group
 from async_rlhf.buffer.logic import BufferLogic
 from async_rlhf.buffer.service import BufferService
 from async_rlhf.buffer.store import MemoryStore
@@ -62,6 +62,61 @@ def test_get_at_least_answers_with_what_is_held(svc: BufferService):
         assert c.get_encoded(10, 0, wait_s=0.05, at_least=2)[0] == ["a", "b"]
         back = c.get(1, 0, wait_s=0.05)
         assert back == []
+    finally:
+        c.close()
+
+
+def test_small_groups_travel_packed_and_unchanged(svc: BufferService):
+    """A batch of small groups is one frame each way; the learner gets the very bytes the producer sent."""
+    c = BufferClient(svc.address, timeout_s=5.0)
+    try:
+        groups = [make_group(f"s{i}", payload_bytes=100 * (i + 1)) for i in range(4)]
+        sent = [encode_group(g) for g in groups]
+        assert c.put_encoded(sent + sent[:1]) == [True] * 4 + [False]  # de-duplicated inside one packed put
+        assert svc.logic.counters["duplicates"] == 1
+        ids, parts = c.get_encoded(4, 0, wait_s=1.0)
+        assert ids == ["s0", "s1", "s2", "s3"]
+        assert [bytes(p) for p in parts] == sent
+        assert c.ack(ids) == 4
+    finally:
+        c.close()
+
+
+def _good() -> bytes:
+    return encode_group(make_group("ok", payload_bytes=100))
+
+
+@pytest.mark.parametrize("sizes,body", [
+    ([10], None),                      # sizes do not add up to the frame
+    ([0, 0], b""),                     # empty groups
+    ([], b""),                         # no groups
+    ("12", None),                      # not a list
+    ([1.5], None),                     # not integers
+    ([-5, 10], None),                  # a negative size
+])
+def test_bad_packed_sizes_are_refused_and_nothing_is_stored(svc: BufferService, sizes, body):
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(svc.address)
+    try:
+        frame = _good() + _good() if body is None else body
+        sock.send_multipart([encode("put", req_id=1, parts=1, sizes=sizes), frame])
+        assert sock.poll(5000)
+        reply = msgpack.unpackb(sock.recv_multipart()[0])
+        assert reply["kind"] == "error" and reply["reason"] == "malformed"
+        assert svc.logic.counters["put"] == 0 and svc.logic.rejects["malformed"] == 1
+    finally:
+        sock.close(0)
+
+
+def test_a_malformed_group_in_a_packed_put_refuses_the_whole_put(svc: BufferService):
+    c = BufferClient(svc.address, timeout_s=5.0)
+    try:
+        bad = msgpack.packb({"group_id": "bad"})
+        with pytest.raises(BufferRequestError, match="malformed"):
+            c.put_encoded([_good(), bad])
+        assert svc.logic.counters["put"] == 0 and svc.logic.rejects["malformed"] == 1
+        assert svc.logic.store.state("ok") is None
     finally:
         c.close()
 

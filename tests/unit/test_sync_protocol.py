@@ -10,7 +10,17 @@ from async_rlhf.sync import protocol as P
 from async_rlhf.sync.group import Aborted, SyncError, SyncTimeout, wait_work
 from async_rlhf.sync.layout import TensorSpec, auto_bucket_bytes, plan_buckets
 from async_rlhf.sync.sender import PushError
-from async_rlhf.sync.tensors import ALIGN, adjacent_bytes, arena_offsets, as_bytes, flatten_params, named_views
+from async_rlhf.sync.tensors import (
+    ALIGN,
+    arena_offsets,
+    as_bytes,
+    chunk_pieces,
+    chunk_ranges,
+    flatten_params,
+    in_place_chunk,
+    named_views,
+    wire_digest,
+)
 
 
 def test_header_round_trip_and_rejects():
@@ -88,20 +98,51 @@ def test_as_bytes_is_a_view():
     assert b.dtype == torch.uint8 and b.numel() == 24 and b.data_ptr() == t.data_ptr()
 
 
-def test_adjacent_bytes_sends_flat_backed_buckets_from_their_storage():
+def test_in_place_chunk_sends_flat_backed_pieces_from_their_storage():
     specs = [TensorSpec("a", (4, 5), "float32"), TensorSpec("b", (10,), "float32")]
-    bucket = plan_buckets(specs, 1 << 20)[0]
+    buckets = plan_buckets(specs, 1 << 20)
+    [pieces] = chunk_pieces(buckets, [(0, 120)])
     flat = torch.arange(100, dtype=torch.float32)
     a, b = flat[10:30].view(4, 5), flat[30:40]
-    data = adjacent_bytes([a, b], bucket)
+    data = in_place_chunk(pieces, [a, b], 120)
     assert data is not None and data.data_ptr() == a.data_ptr() and data.numel() == 120
     assert torch.equal(data.view(torch.float32), flat[10:40])
-    assert adjacent_bytes([a, flat[31:41]], bucket) is None                   # a gap
-    assert adjacent_bytes([flat[30:50].view(4, 5), flat[10:20]], bucket) is None  # wrong order
-    assert adjacent_bytes([torch.randn(4, 5), torch.randn(10)], bucket) is None   # separate tensors
-    assert adjacent_bytes([flat[:40].view(5, 8).t().contiguous().view(4, 10)[:, :5], b], bucket) is None
+    assert in_place_chunk(pieces, [a, flat[31:41]], 120) is None                    # a gap
+    assert in_place_chunk(pieces, [flat[30:50].view(4, 5), flat[10:20]], 120) is None  # wrong order
+    assert in_place_chunk(pieces, [torch.randn(4, 5), torch.randn(10)], 120) is None   # separate tensors
+    assert in_place_chunk(pieces, [flat[:40].view(5, 8).t().contiguous().view(4, 10)[:, :5], b], 120) is None
     tail = torch.arange(30, dtype=torch.float32)
-    assert adjacent_bytes([tail[0:20].view(4, 5), tail[20:30]], bucket) is not None  # ends exactly at the end
+    assert in_place_chunk(pieces, [tail[0:20].view(4, 5), tail[20:30]], 120) is not None  # ends at the end
+    assert in_place_chunk(pieces, [tail[5:25].view(4, 5), tail[25:35]], 120) is None  # past the storage
+
+
+def test_chunks_cut_the_arena_alike_for_any_tensor_sizes():
+    assert chunk_ranges(0, 64) == []
+    assert chunk_ranges(1000, 4096) == [(0, 1000)]
+    got = chunk_ranges(10_000, 3000)
+    assert len(got) == 4 and got[0] == (0, 2560) and got[-1][1] == 10_000
+    assert all(a % ALIGN == 0 for a, _ in got) and all(b == c for (_, b), (c, _) in zip(got, got[1:]))
+    with pytest.raises(ValueError):
+        chunk_ranges(10, 0)
+    # one large tensor split over chunks, small ones packed, two dtypes: the pieces tile every tensor once
+    specs = [TensorSpec("big", (300,), "float32")] + [TensorSpec(f"s{i}", (7,), "bfloat16") for i in range(9)]
+    buckets = plan_buckets(specs, 256)
+    offsets, total = arena_offsets(buckets)
+    chunks = chunk_ranges(total, 256)
+    pieces = chunk_pieces(buckets, chunks)
+    assert len(chunks) > 3 and sum(len(ps) for ps in pieces) > len(specs)
+    covered: dict[int, list[tuple[int, int]]] = {}
+    for (start, end), ps in zip(chunks, pieces):
+        for p in ps:
+            size = 4 if p.dtype == "float32" else 2
+            assert 0 <= p.at and p.at + (p.stop - p.start) * size <= end - start
+            covered.setdefault(p.index, []).append((p.start, p.stop))
+    numels = [e.numel for b in buckets for e in b.entries]
+    for i, spans in covered.items():
+        spans.sort()
+        assert spans[0][0] == 0 and spans[-1][1] == numels[i] and all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+    assert len(covered) == len(specs)
+    assert wire_digest(buckets, chunks) != wire_digest(buckets, chunk_ranges(total, 512))
 
 
 def test_auto_bucket_bytes_is_bounded():
@@ -167,7 +208,12 @@ def test_flatten_params_keeps_values_and_parameters_and_makes_every_bucket_zero_
     arena = flatten_params(named, buckets)
     assert all(p is named[n] for n, p in model.named_parameters())  # same Parameter objects
     assert all(torch.equal(before[n], p) and p.dtype == before[n].dtype for n, p in named.items())
-    assert all(adjacent_bytes([named[e.name] for e in b.entries], b) is not None for b in buckets)
+    chunks = chunk_ranges(arena_offsets(buckets)[1], 128)
+    names = [e.name for b in buckets for e in b.entries]
+    assert len(chunks) > 1
+    for (start, end), ps in zip(chunks, chunk_pieces(buckets, chunks)):
+        data = in_place_chunk(ps, [named[names[p.index]] for p in ps], end - start)
+        assert data is not None and data.data_ptr() == arena.data_ptr() + start
     assert arena.dtype == torch.uint8 and named["0.weight"].untyped_storage().data_ptr() == arena.data_ptr()
     model[0](torch.randn(2, 8)).sum().backward()  # still trainable
     assert named["0.weight"].grad.shape == (4, 8)

@@ -1,0 +1,116 @@
+"""Helpers of the tests that drive the real launcher in a subprocess (kill, fail, resume a whole job).
+
+The launcher runs in a session of its own (``start_new_session``): its Ray head and actors stay in that
+session, so the session's live processes are exactly what the job left behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from async_rlhf.checkpoint import list_checkpoints, read_manifest
+from async_rlhf.generator.stream import key_of_group
+
+ROOT = Path(__file__).resolve().parents[2]
+LAUNCH = [sys.executable, str(ROOT / "launch" / "cluster.py")]
+
+
+def start_job(work: Path, log_name: str, args: list[str]) -> subprocess.Popen:
+    """``launch/cluster.py args`` in its own session, output to ``work/log_name``."""
+    return subprocess.Popen([*LAUNCH, *args], cwd=work, stdout=(work / log_name).open("w"),
+                            stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def session_pids(sid: int) -> list[int]:
+    """Live (not zombie) processes of session ``sid``: the launcher's Ray head and actors stay in it."""
+    out = subprocess.run(["ps", "-eo", "pid=,sid=,stat="], capture_output=True, text=True).stdout
+    rows = (line.split() for line in out.splitlines())
+    return [int(p) for p, s, st in rows if int(s) == sid and not st.startswith("Z")]
+
+
+def kill_session(sid: int) -> None:
+    """SIGKILL every process of the job's session (the launcher, its Ray head, actors): the whole job."""
+    for _ in range(30):
+        pids = session_pids(sid)
+        if not pids:
+            return
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.5)
+
+
+def learner_records(run_dir: Path) -> list[dict[str, Any]]:
+    """The learner records of ``metrics.jsonl`` (a last line cut by a kill is skipped)."""
+    path = run_dir / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    records = []
+    for i, line in enumerate(lines):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i != len(lines) - 1:
+                raise
+            # the driver was stopped mid-line
+    return [r for r in records if "step" in r and r.get("kind") != "eval"]
+
+
+def newest_checkpoint_step(run_dir: Path) -> int:
+    ckpts = list_checkpoints(run_dir)
+    return read_manifest(ckpts[-1])["step"] if ckpts else -1
+
+
+def past_last_checkpoint(run_dir: Path) -> bool:
+    """True when the metrics already hold a step after the newest committed checkpoint."""
+    records = learner_records(run_dir)
+    step = newest_checkpoint_step(run_dir)
+    return step >= 0 and bool(records) and max(r["step"] for r in records) > step
+
+
+def wait_until(cond: Any, what: str, job: subprocess.Popen, log: Path, timeout_s: float = 600.0) -> None:
+    """Poll ``cond`` while the job runs; fail with the end of its log if it ends or time runs out."""
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert job.poll() is None, f"the job ended while waiting for {what}:\n{log.read_text()[-3000:]}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.3)
+
+
+def data_ledger(run_dir: Path) -> list[dict[str, Any]]:
+    return [json.loads(x) for x in (run_dir / "data_ledger.jsonl").read_text().splitlines()]
+
+
+def check_metrics_continue(run_dir: Path, manifest: dict[str, Any], steps: int,
+                           before: list[dict[str, Any]]) -> None:
+    """The resumed run continued the original's metrics from checkpoint ``manifest``: steps and versions go
+    on, the records up to the checkpoint are the original ones, the later ones the resumed run's."""
+    records = learner_records(run_dir)
+    s = manifest["step"]
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    assert [r["version"] for r in records] == [r["step"] for r in records], "versions kept increasing"
+    assert records[:s] == before[:s], "the records up to the checkpoint are the original ones"
+    assert records[s]["time"] > before[-1]["time"], "steps after the checkpoint come from the resume"
+
+
+def check_prompts_once(run_dir: Path, manifest: dict[str, Any], steps: int) -> list[str]:
+    """Every step's groups are in the data ledger, no prompt was trained twice in the lineage, and every
+    prompt drawn but not trained at checkpoint ``manifest`` was trained after it; returns the trained keys."""
+    s = manifest["step"]
+    lines = data_ledger(run_dir)
+    assert [x["step"] for x in lines] == list(range(1, steps + 1))
+    keys = [key_of_group(g) for x in lines for g in x["group_ids"]]
+    assert len(keys) == len(set(keys)), "a prompt was trained twice"
+    after = {key_of_group(g) for x in lines if x["step"] > s for g in x["group_ids"]}
+    pending = {f"{gen}:{seq}" for gen, st in manifest["data"].items() for seq in st["pending"]}
+    assert pending, "the first run had prompts in flight or in the buffer at its checkpoint"
+    assert pending <= after, f"prompts drawn before the checkpoint were never trained: {sorted(pending - after)}"
+    return keys

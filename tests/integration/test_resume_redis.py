@@ -1,0 +1,133 @@
+"""Kill the whole job while its Redis buffer holds groups, then ``--resume`` it on the same Redis.
+
+    run (buffer.store=redis on a real redis-server) commits a checkpoint; SIGKILL the job right then (its
+        learner may have trained a step further), while the buffer holds groups of the checkpoint's weights
+    read Redis: the groups it held, had delivered or awaited a reward for at the kill
+    --resume: the buffer restores the checkpoint's admission state (restore_admission), keeps the held groups
+        made by weights up to the checkpoint and drops, with a reason, those made by rolled-back weights
+    every group held at the kill was trained after the resume or dropped with a reason; no prompt twice
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from jobs import (
+    LAUNCH,
+    check_metrics_continue,
+    check_prompts_once,
+    data_ledger,
+    kill_session,
+    learner_records,
+    newest_checkpoint_step,
+    session_pids,
+    start_job,
+    wait_until,
+)
+
+from async_rlhf.buffer.redis_store import RedisStore
+from async_rlhf.buffer.testing import RedisServer
+from async_rlhf.checkpoint import list_checkpoints, read_manifest
+
+pytestmark = pytest.mark.integration
+
+EVERY = 4
+MORE_STEPS = 6
+PREFIX = "async_rlhf:buffer"
+
+
+def at_last_checkpoint(run_dir: Path) -> bool:
+    records = learner_records(run_dir)
+    return bool(records) and max(r["step"] for r in records) == newest_checkpoint_step(run_dir)
+
+
+def redis_state(url: str) -> dict[str, Any]:
+    """What the buffer keeps in Redis, read with the store the service itself recovers with."""
+    store = RedisStore(url, PREFIX)
+    try:
+        return {"held": {g.group_id for g in store.held()}, "delivered": set(store.delivered()),
+                "awaiting": set(store.awaiting()), "trained": set(store.trained()), "dropped": store.dropped(),
+                "meta": dict(store.meta())}
+    finally:
+        store.close()
+
+
+@pytest.fixture(scope="module")
+def redis_resumed(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    work = tmp_path_factory.mktemp("resume_redis")
+    run_dir = work / "run"
+    log = work / "first.log"
+    server = RedisServer(work / "redis", fsync="everysec").start()
+    try:
+        first = start_job(work, log.name, [
+            "--generators", "1", "--learners", "1", "--model", str(tiny_model_dir), "--run-dir", str(run_dir),
+            "train.steps=100000", "train.batch_size=4", "train.group_size=4", "train.max_staleness=2",
+            "generator.eval_every=0", "generator.groups_in_flight=4", f"run.checkpoint_every={EVERY}",
+            "run.keep_checkpoints=2", "task.heldout_size=20", "run.log_every_s=5", "buffer.store=redis",
+            f"buffer.redis_url={server.url}", f"buffer.redis_prefix={PREFIX}"])
+        try:
+            wait_until(lambda: newest_checkpoint_step(run_dir) >= EVERY, "a checkpoint", first, log)
+            # kill right after a checkpoint, so the buffer still holds groups made by the checkpoint's
+            # weights (the driver is frozen while that is checked; its learner and generator run on)
+            deadline = time.monotonic() + 300
+            while True:
+                time.sleep(0.1)
+                os.kill(first.pid, signal.SIGSTOP)
+                if at_last_checkpoint(run_dir):
+                    break
+                os.kill(first.pid, signal.SIGCONT)
+                assert time.monotonic() < deadline, "the first run never trained past a checkpoint"
+        finally:
+            kill_session(first.pid)
+        first.wait(timeout=30)
+        assert not session_pids(first.pid), "processes of the killed job survived"
+        at_kill = redis_state(server.url)
+        before = learner_records(run_dir)
+        ckpt = list_checkpoints(run_dir)[-1]
+        manifest = read_manifest(ckpt)
+        steps = manifest["step"] + MORE_STEPS
+        second = subprocess.run([*LAUNCH, "--resume", str(run_dir), f"train.steps={steps}"], cwd=work,
+                                capture_output=True, text=True, timeout=900)
+        (work / "second.log").write_text(second.stdout + second.stderr)
+        after = redis_state(server.url)
+    finally:
+        server.stop()
+    return {"run_dir": run_dir, "before": before, "ckpt": ckpt, "manifest": manifest, "steps": steps,
+            "second": second, "at_kill": at_kill, "after": after}
+
+
+def test_resume_on_redis_continues_the_run(redis_resumed: dict[str, Any]) -> None:
+    second = redis_resumed["second"]
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert f"resumed from {redis_resumed['ckpt']}" in second.stdout
+    assert redis_resumed["at_kill"]["meta"]["version"] >= redis_resumed["manifest"]["version"]
+    args = redis_resumed["run_dir"], redis_resumed["manifest"], redis_resumed["steps"]
+    check_metrics_continue(*args, redis_resumed["before"])
+
+
+def test_groups_held_in_redis_at_the_kill_are_trained_or_dropped_with_a_reason(redis_resumed: dict[str, Any]) -> None:
+    at_kill, after = redis_resumed["at_kill"], redis_resumed["after"]
+    kept = at_kill["held"] | at_kill["delivered"] | at_kill["awaiting"]
+    assert kept, "the buffer held no group at the kill: nothing to recover"
+    s = redis_resumed["manifest"]["step"]
+    trained_after = {g for x in data_ledger(redis_resumed["run_dir"]) if x["step"] > s for g in x["group_ids"]}
+    unaccounted = {g for g in kept if g not in trained_after and g not in after["dropped"]}
+    assert not unaccounted, f"groups held in Redis at the kill were neither trained nor dropped: {unaccounted}"
+    assert not kept & trained_after & set(after["dropped"]), "a group was both trained and dropped"
+    assert kept & trained_after, "no group held in Redis at the kill was trained after the resume"
+    reasons = {after["dropped"][g] for g in kept if g in after["dropped"]}
+    assert reasons <= {"rolled_back", "reward_lost", "stale", "unconsumed_at_shutdown"}, reasons
+    # every rolled_back drop is a group of the killed run (made by weights newer than the checkpoint)
+    rolled = sum(1 for g in kept if after["dropped"].get(g) == "rolled_back")
+    assert after["meta"].get("c:dropped_rolled_back", 0) == rolled
+
+
+def test_no_prompt_lost_or_trained_twice_across_the_resume_on_redis(redis_resumed: dict[str, Any]) -> None:
+    keys = check_prompts_once(redis_resumed["run_dir"], redis_resumed["manifest"], redis_resumed["steps"])
+    assert len(keys) == redis_resumed["steps"] * 4
