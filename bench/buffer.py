@@ -17,7 +17,8 @@ How the buffer client batches (printed, and stored as ``client`` in the JSON): a
 afresh (own id) and puts PUT_BATCH groups per request with PUT_WINDOW requests in flight; small groups go
 packed (their bytes back to back in one frame, sizes in the request), a batch with a group of 64 KB or more
 as one frame per group. The service validates (msgpack-decodes and checks) each group, de-duplicates and
-stores it as a view of the received frame and answers one status per group. A consumer asks for up to
+stores it (a small one copied out of the packed frame, a large one as a view of its own frame) and answers
+one status per group. A consumer asks for up to
 GET_BATCH groups (answered as soon as one is held), receives their stored bytes (packed, or as frames when
 large) and acks their ids with its next get. The raw baselines send the same payload sizes without any of
 that (PUSH/PULL: no acknowledgement at all).

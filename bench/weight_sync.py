@@ -9,8 +9,10 @@ equal bytes (``many_small``: 128x128 tensors; ``few_large``: 4 tensors), with 1 
              "every receiver has it" signal on the same gloo group)
     push_s   Sender.push: the buffer of buckets cut into a few equal chunks (the same broadcasts for both
              layouts), each packed if needed and broadcast into each receiver's buffer (Receiver.fetch,
-             which a generator runs on a thread while its engine keeps generating), per-receiver ack
-             through the store; then every receiver holds the version byte-exact
+             which a generator runs on a thread while its engine keeps generating), then the ack (one
+             allreduce of versions on the same group); then every receiver holds the version byte-exact.
+             Unlike raw, it includes the control plane: the joiner check and the header (store round
+             trips) and the receivers' wake-up on the header (raw's receivers are already posted)
     pause_s  the slowest receiver's Receiver.apply: the named tensors copied into a plain torch module
              (``param.copy_``, as vLLM's weight loaders do), i.e. what a generator spends paused per update
     live_s   from the push's start until every receiver has applied it (push_s + the swap)

@@ -189,7 +189,7 @@ class BufferClient:
         """Send one put of encoded groups; with ``wait``, its reply.
 
         Small groups travel packed: one frame of their bytes back to back and their ``sizes`` in the request
-        (the service keeps views of that frame, no copy); a batch with a large group goes as one frame each.
+        (no msgpack list to build or decode); a batch with a large group goes as one frame each (no copy).
         """
         if as_frames(batch):
             rid = self.send_request("put", parts=batch, rewards_pending=rewards_pending)

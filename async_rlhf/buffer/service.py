@@ -242,8 +242,8 @@ class BufferService:
         pending = msg.get("rewards_pending", False)
         if not isinstance(pending, bool):
             raise WireError("malformed", "rewards_pending must be true or false")
-        if "sizes" in msg:  # small groups back to back in one frame: stored as views of it
-            return {"status": self.logic.put_many(unpack_sizes(parts, msg["sizes"]), pending)}
+        if "sizes" in msg:  # small groups back to back in one frame; copied out, so none pins the whole frame
+            return {"status": self.logic.put_many(unpack_sizes(parts, msg["sizes"], copy=True), pending)}
         if parts:
             return {"status": self.logic.put_many(parts, pending)}
         if "groups" not in msg:

@@ -74,6 +74,8 @@ def test_small_groups_travel_packed_and_unchanged(svc: BufferService):
         sent = [encode_group(g) for g in groups]
         assert c.put_encoded(sent + sent[:1]) == [True] * 4 + [False]  # de-duplicated inside one packed put
         assert svc.logic.counters["duplicates"] == 1
+        # each stored group owns its bytes: one held for long must not pin the frame of its whole batch
+        assert all(type(svc.logic.store.get_held(f"s{i}").data) is bytes for i in range(4))
         ids, parts = c.get_encoded(4, 0, wait_s=1.0)
         assert ids == ["s0", "s1", "s2", "s3"]
         assert [bytes(p) for p in parts] == sent
