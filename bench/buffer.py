@@ -53,8 +53,10 @@ from async_rlhf.buffer.testing import RedisServer, free_port, make_group  # noqa
 
 PAYLOADS = (1 << 10, 16 << 10, 256 << 10)
 BATCH = 8  # groups per XREADGROUP of the raw Redis consumer
-PUT_BATCH = 64  # most groups per put request of the buffer client (16 cost ~10-25% more CPU per group) ...
-PUT_BATCH_BYTES = 1 << 20  # ... and at most this many payload bytes per request (16 KB: 64, 256 KB: 4 per request)
+PUT_BATCH = 16  # most groups per put request of the buffer client (64: ~10-25% less CPU per group at 1p1c,
+# but 16 producers x 1 MB requests fill the 4096-group capacity and most service CPU goes to puts
+# answered "full", 0.11x instead of 0.21x at 16p4c) ...
+PUT_BATCH_BYTES = 1 << 20  # ... and at most this many payload bytes per request (256 KB groups: 4 per request)
 PUT_WINDOW = 4  # put requests in flight per producer (fewer for large groups: see put_window)
 WINDOW_BYTES = 2 << 20  # most payload bytes one producer has in flight
 WARMUP_S = 1.0  # processes start and connect before the measured window (0.5 with --quick)

@@ -297,6 +297,8 @@ class Sender:
             if int(ack.item()) != 0:
                 raise SyncError(f"members acknowledged another version than {version} (sum {int(ack.item())})")
         except SyncError as exc:
+            if not announced:
+                self.store.set(P.header_key(e, k), header)
             self._fail(e, k, version, exc)
         except BaseException:  # e.g. an interrupt: receivers must not wait for the rest
             self._broken = True
