@@ -191,7 +191,9 @@ def failed_learners(train_refs: list[Any], wait_s: float = 10.0) -> dict[int, st
     deadline = time.monotonic() + wait_s
     failed: dict[int, str] = {}
     while not failed:
-        done, _ = ray.wait(train_refs, num_returns=len(train_refs), timeout=max(0.0, deadline - time.monotonic()))
+        # timeout=0: the ranks that survive block in a collective with the dead one, so waiting for all of
+        # them would always take the whole wait_s
+        done, _ = ray.wait(train_refs, num_returns=len(train_refs), timeout=0)
         for ref in done:
             try:
                 ray.get(ref)

@@ -35,7 +35,7 @@ def _array(obj: Any, name: str, ndim: int | None = 1) -> int:
     if type(obj) is not dict or obj.keys() != ARRAY_KEYS:
         raise WireError("malformed", f"{name}: an array must be a map with exactly dtype, shape and data")
     dtype, shape, data = obj["dtype"], obj["shape"], obj["data"]
-    if dtype not in ITEMSIZE or type(data) is not bytes or type(shape) is not list:
+    if type(dtype) is not str or dtype not in ITEMSIZE or type(data) is not bytes or type(shape) is not list:
         raise WireError("malformed", f"{name}: bad array header dtype={dtype!r} shape={shape!r}")
     count = 1
     for d in shape:
@@ -58,7 +58,8 @@ def _length(obj: Any, sample: int, key: str) -> int:
     if type(obj) is dict and obj.keys() == ARRAY_KEYS:
         shape, data = obj["shape"], obj["data"]
         if type(shape) is list and len(shape) == 1 and type(data) is bytes:
-            n, size = shape[0], ITEMSIZE.get(obj["dtype"])
+            dtype = obj["dtype"]
+            n, size = shape[0], ITEMSIZE.get(dtype) if type(dtype) is str else None
             if type(n) is int and size is not None and n >= 0 and n * size == len(data):
                 return n
     return _array(obj, f"sample {sample} {key}" if sample >= 0 else "prompt_ids")

@@ -43,6 +43,8 @@ def unpack_sizes(parts: list[bytes | memoryview], sizes: object, copy: bool = Fa
             raise WireError("malformed", f"packed sizes must be positive integers, got {size!r}")
         out.append(body[at:at + size])
         at += size
+        if at > len(body):  # stop at once: a long list of sizes in a bad header costs nothing more
+            break
     if at != len(body):
-        raise WireError("malformed", f"packed sizes add up to {at} bytes but the frame has {len(body)}")
+        raise WireError("malformed", f"packed sizes reach {at} bytes but the frame has {len(body)}")
     return [bytes(v) for v in out] if copy else out

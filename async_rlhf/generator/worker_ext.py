@@ -12,7 +12,7 @@ vLLM instantiates this class as a mixin of its worker (``LLM(worker_extension_cl
     late joiner / restarted generator, before serving anything:
       collective_rpc("receive_update")      --->  join at the sender's next push and load that version
     at each update, while the engine keeps generating:
-      collective_rpc("stage_update")        --->  a thread receives every bucket into the buffer, acks
+      collective_rpc("stage_update")        --->  a thread receives every chunk into the buffer, acks
       ... until it returns True, then between two engine steps:
       collective_rpc("apply_update")        --->  reload_weights from the buffer, redo the tied
                                                   lm_head's packing, mark the version live

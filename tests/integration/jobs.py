@@ -85,6 +85,64 @@ def wait_until(cond: Any, what: str, job: subprocess.Popen, log: Path, timeout_s
         time.sleep(0.3)
 
 
+def job_args(model: Path, run_dir: Path, every: int, *extra: str, max_staleness: int = 1) -> list[str]:
+    """The launcher's arguments for an endless tiny job (1 generator, 1 learner) checkpointing every ``every``
+    steps, for a test to kill."""
+    return ["--generators", "1", "--learners", "1", "--model", str(model), "--run-dir", str(run_dir),
+            "train.steps=100000", "train.batch_size=4", "train.group_size=4", f"train.max_staleness={max_staleness}",
+            "generator.eval_every=0", "generator.groups_in_flight=4", f"run.checkpoint_every={every}",
+            "run.keep_checkpoints=2", "task.heldout_size=20", "run.log_every_s=5", *extra]
+
+
+def _signal_all(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def freeze_when(job: subprocess.Popen, cond: Any, what: str, log: Path, every_s: float = 0.3,
+                timeout_s: float = 300.0, whole_job: bool = False) -> None:
+    """Return with the job's driver stopped (SIGSTOP) at a moment ``cond`` holds; the caller kills or resumes it.
+
+    Only the driver writes metrics.jsonl and commits checkpoints, so while it is stopped what ``cond`` reads
+    cannot change: the check and the caller's next step (a kill) are atomic. Without the freeze, a poll
+    ending exactly on a checkpoint step races the kill (a CI failure of the resume test).
+    ``whole_job`` stops every process of the job (learners, generators, buffer too) for a ``cond`` that reads
+    their state as well, e.g. the buffer's version in Redis.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        time.sleep(every_s)
+        assert job.poll() is None, f"the job ended while waiting for {what}:\n{log.read_text()[-3000:]}"
+        pids = session_pids(job.pid) if whole_job else [job.pid]
+        _signal_all(pids, signal.SIGSTOP)
+        if cond():
+            return
+        _signal_all(pids, signal.SIGCONT)
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+
+
+def resume_newest(work: Path, run_dir: Path, more_steps: int, by_checkpoint: bool = False) -> dict[str, Any]:
+    """Resume the killed job from its newest committed checkpoint for ``more_steps`` more steps (``--resume``
+    the run directory, or the checkpoint itself with ``by_checkpoint``); returns the first run's records
+    (``before``), ``ckpt``, its ``manifest``, the step target ``steps`` and the finished resume ``second``
+    (whose output is also in ``work/second.log``)."""
+    before = learner_records(run_dir)
+    ckpt = list_checkpoints(run_dir)[-1]
+    manifest = read_manifest(ckpt)
+    # enough steps (batches of 4 groups) to train every prompt pending at the checkpoint: a learner that ran
+    # far ahead of the driver before the kill leaves more of them than ``more_steps`` batches hold
+    pending = sum(len(st["pending"]) for st in manifest["data"].values())
+    steps = manifest["step"] + max(more_steps, -(-pending // 4) + 2)
+    second = subprocess.run([*LAUNCH, "--resume", str(ckpt if by_checkpoint else run_dir), f"train.steps={steps}"],
+                            cwd=work, capture_output=True, text=True, timeout=900)
+    (work / "second.log").write_text(second.stdout + second.stderr)
+    return {"run_dir": run_dir, "before": before, "ckpt": ckpt, "manifest": manifest, "steps": steps,
+            "second": second}
+
+
 def data_ledger(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(x) for x in (run_dir / "data_ledger.jsonl").read_text().splitlines()]
 

@@ -19,12 +19,13 @@ from typing import Any
 
 import pytest
 from jobs import (
-    LAUNCH,
     check_metrics_continue,
     check_prompts_once,
+    freeze_when,
+    job_args,
     kill_session,
-    learner_records,
     past_last_checkpoint,
+    resume_newest,
     session_pids,
     start_job,
     wait_until,
@@ -45,18 +46,18 @@ def learner_killed(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactor
     work = tmp_path_factory.mktemp("learner_fault")
     run_dir = work / "run"
     log = work / "first.log"
-    first = start_job(work, log.name, [
-        "--generators", "1", "--learners", "1", "--model", str(tiny_model_dir), "--run-dir", str(run_dir),
-        "train.steps=100000", "train.batch_size=4", "train.group_size=4", "train.max_staleness=1",
-        "generator.eval_every=0", "generator.groups_in_flight=4", f"run.checkpoint_every={EVERY}",
-        "run.keep_checkpoints=2", "task.heldout_size=20", "run.log_every_s=5"])
+    first = start_job(work, log.name, job_args(tiny_model_dir, run_dir, EVERY))
     try:
         wait_until(lambda: past_last_checkpoint(run_dir), "a step past the first checkpoint", first, log)
         pids = send_control(run_dir, {"op": "pids"})
         assert pids["ok"] and set(pids["learners"]) == {"0"}, pids
         learner_pid = pids["learners"]["0"]
         assert learner_pid in session_pids(first.pid), "the learner runs in the job's session"
+        # the learner runs on while the pids are asked for: kill it at a moment it has trained past the last
+        # committed checkpoint, the driver frozen meanwhile (it alone writes metrics and commits checkpoints)
+        freeze_when(first, lambda: past_last_checkpoint(run_dir), "a step past the last checkpoint", log)
         os.kill(learner_pid, signal.SIGKILL)
+        os.kill(first.pid, signal.SIGCONT)
         t_kill = time.monotonic()
         try:
             first.wait(timeout=STOP_WITHIN_S)
@@ -74,20 +75,12 @@ def learner_killed(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactor
     finally:
         kill_session(first.pid)
     output = log.read_text()
-    before = learner_records(run_dir)
-    ckpt = list_checkpoints(run_dir)[-1]
-    manifest = read_manifest(ckpt)
     resolved = resolve_resume(run_dir)
     staged = [p.name for p in checkpoints_dir(run_dir).iterdir() if p.name.startswith(STAGING)]
     committed = {read_manifest(c)["step"] for c in list_checkpoints(run_dir)}
-    steps = manifest["step"] + MORE_STEPS
-    second = subprocess.run([*LAUNCH, "--resume", str(ckpt), f"train.steps={steps}"], cwd=work,
-                            capture_output=True, text=True, timeout=900)
-    (work / "second.log").write_text(second.stdout + second.stderr)
-    return {"run_dir": run_dir, "returncode": first.returncode, "output": output, "stop_s": stop_s,
-            "leftover": leftover, "learner_pid": learner_pid, "before": before, "ckpt": ckpt,
-            "manifest": manifest, "steps": steps, "second": second, "resolved": resolved, "staged": staged,
-            "committed": committed}
+    return {**resume_newest(work, run_dir, MORE_STEPS, by_checkpoint=True), "returncode": first.returncode,
+            "output": output, "stop_s": stop_s, "leftover": leftover, "learner_pid": learner_pid,
+            "resolved": resolved, "staged": staged, "committed": committed}
 
 
 def test_the_job_stops_cleanly_naming_the_failure_and_the_checkpoint(learner_killed: dict[str, Any]) -> None:

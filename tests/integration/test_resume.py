@@ -9,28 +9,23 @@ resume, and no prompt is trained twice in the run's lineage.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 from jobs import (
-    LAUNCH,
     check_metrics_continue,
     check_prompts_once,
+    freeze_when,
+    job_args,
     kill_session,
-    learner_records,
     newest_checkpoint_step,
     past_last_checkpoint,
+    resume_newest,
     session_pids,
     start_job,
     wait_until,
 )
-
-from async_rlhf.checkpoint import list_checkpoints, read_manifest
 
 pytestmark = pytest.mark.integration
 
@@ -42,37 +37,17 @@ MORE_STEPS = 8
 def resumed(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     work = tmp_path_factory.mktemp("resume")
     run_dir = work / "run"
-    first = start_job(work, "first.log", [
-        "--generators", "1", "--learners", "1", "--model", str(tiny_model_dir), "--run-dir", str(run_dir),
-        "train.steps=100000", "train.batch_size=4", "train.group_size=4", "train.max_staleness=1",
-        "generator.eval_every=0", "generator.groups_in_flight=4", f"run.checkpoint_every={EVERY}",
-        "run.keep_checkpoints=2", "task.heldout_size=20", "run.log_every_s=5"])
+    log = work / "first.log"
+    first = start_job(work, log.name, job_args(tiny_model_dir, run_dir, EVERY))
     try:
-        wait_until(lambda: newest_checkpoint_step(run_dir) >= 2 * EVERY, "a second checkpoint", first,
-                   work / "first.log")
-        # Kill it at a moment when it has trained past its last checkpoint (those steps must be cut on resume).
-        # Only the driver writes metrics.jsonl and commits checkpoints, so freezing it (SIGSTOP) makes the
-        # check and the kill atomic; without that, a poll ending exactly on a checkpoint step races the kill.
-        deadline = time.monotonic() + 300
-        while True:
-            time.sleep(0.3)
-            os.kill(first.pid, signal.SIGSTOP)
-            if past_last_checkpoint(run_dir):
-                break
-            os.kill(first.pid, signal.SIGCONT)
-            assert time.monotonic() < deadline, "the first run never trained past a checkpoint"
+        wait_until(lambda: newest_checkpoint_step(run_dir) >= 2 * EVERY, "a second checkpoint", first, log)
+        # kill it at a moment when it has trained past its last checkpoint (those steps must be cut on resume)
+        freeze_when(first, lambda: past_last_checkpoint(run_dir), "a step past the last checkpoint", log)
     finally:
         kill_session(first.pid)
     first.wait(timeout=30)
     assert not session_pids(first.pid), "processes of the killed job survived"
-    before = learner_records(run_dir)
-    ckpt = list_checkpoints(run_dir)[-1]
-    manifest = read_manifest(ckpt)
-    steps = manifest["step"] + MORE_STEPS
-    second = subprocess.run([*LAUNCH, "--resume", str(run_dir), f"train.steps={steps}"], cwd=work,
-                            capture_output=True, text=True, timeout=900)
-    return {"run_dir": run_dir, "before": before, "ckpt": ckpt, "manifest": manifest, "steps": steps,
-            "second": second}
+    return resume_newest(work, run_dir, MORE_STEPS)
 
 
 def test_resume_continues_from_the_last_checkpoint(resumed: dict[str, Any]) -> None:

@@ -10,22 +10,19 @@
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 from jobs import (
-    LAUNCH,
     check_metrics_continue,
     check_prompts_once,
     data_ledger,
+    freeze_when,
+    job_args,
     kill_session,
-    learner_records,
     newest_checkpoint_step,
+    resume_newest,
     session_pids,
     start_job,
     wait_until,
@@ -42,9 +39,20 @@ MORE_STEPS = 6
 PREFIX = "async_rlhf:buffer"
 
 
-def at_last_checkpoint(run_dir: Path) -> bool:
-    records = learner_records(run_dir)
-    return bool(records) and max(r["step"] for r in records) == newest_checkpoint_step(run_dir)
+def buffer_at_last_checkpoint(run_dir: Path, url: str) -> bool:
+    """The buffer's version (in Redis) is the newest checkpoint's: the learner has published no newer weights,
+    so the groups held now were made by weights the resume keeps (read with the whole job frozen)."""
+    import redis
+
+    client = redis.Redis.from_url(url)
+    try:
+        version = client.hget(f"{PREFIX}:meta", "version")
+        held = client.hlen(f"{PREFIX}:ids")
+    finally:
+        client.close()
+    ckpts = list_checkpoints(run_dir)
+    return (version is not None and bool(ckpts) and held > 0
+            and int(version) == read_manifest(ckpts[-1])["version"])
 
 
 def redis_state(url: str) -> dict[str, Any]:
@@ -65,41 +73,25 @@ def redis_resumed(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
     log = work / "first.log"
     server = RedisServer(work / "redis", fsync="everysec").start()
     try:
-        first = start_job(work, log.name, [
-            "--generators", "1", "--learners", "1", "--model", str(tiny_model_dir), "--run-dir", str(run_dir),
-            "train.steps=100000", "train.batch_size=4", "train.group_size=4", "train.max_staleness=2",
-            "generator.eval_every=0", "generator.groups_in_flight=4", f"run.checkpoint_every={EVERY}",
-            "run.keep_checkpoints=2", "task.heldout_size=20", "run.log_every_s=5", "buffer.store=redis",
-            f"buffer.redis_url={server.url}", f"buffer.redis_prefix={PREFIX}"])
+        first = start_job(work, log.name, job_args(
+            tiny_model_dir, run_dir, EVERY, "buffer.store=redis", f"buffer.redis_url={server.url}",
+            f"buffer.redis_prefix={PREFIX}", max_staleness=2))
         try:
             wait_until(lambda: newest_checkpoint_step(run_dir) >= EVERY, "a checkpoint", first, log)
-            # kill right after a checkpoint, so the buffer still holds groups made by the checkpoint's
-            # weights (the driver is frozen while that is checked; its learner and generator run on)
-            deadline = time.monotonic() + 300
-            while True:
-                time.sleep(0.1)
-                os.kill(first.pid, signal.SIGSTOP)
-                if at_last_checkpoint(run_dir):
-                    break
-                os.kill(first.pid, signal.SIGCONT)
-                assert time.monotonic() < deadline, "the first run never trained past a checkpoint"
+            # kill right after a checkpoint, while the buffer holds groups made by the checkpoint's weights
+            # (the whole job is frozen while that is checked: the learner runs ahead of the driver's metrics)
+            freeze_when(first, lambda: buffer_at_last_checkpoint(run_dir, server.url),
+                        "a moment right after a checkpoint", log, every_s=0.1, whole_job=True)
         finally:
             kill_session(first.pid)
         first.wait(timeout=30)
         assert not session_pids(first.pid), "processes of the killed job survived"
         at_kill = redis_state(server.url)
-        before = learner_records(run_dir)
-        ckpt = list_checkpoints(run_dir)[-1]
-        manifest = read_manifest(ckpt)
-        steps = manifest["step"] + MORE_STEPS
-        second = subprocess.run([*LAUNCH, "--resume", str(run_dir), f"train.steps={steps}"], cwd=work,
-                                capture_output=True, text=True, timeout=900)
-        (work / "second.log").write_text(second.stdout + second.stderr)
+        resumed = resume_newest(work, run_dir, MORE_STEPS)
         after = redis_state(server.url)
     finally:
         server.stop()
-    return {"run_dir": run_dir, "before": before, "ckpt": ckpt, "manifest": manifest, "steps": steps,
-            "second": second, "at_kill": at_kill, "after": after}
+    return {**resumed, "at_kill": at_kill, "after": after}
 
 
 def test_resume_on_redis_continues_the_run(redis_resumed: dict[str, Any]) -> None:

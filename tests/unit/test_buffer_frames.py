@@ -69,14 +69,29 @@ def test_get_at_least_answers_with_what_is_held(svc: BufferService):
 def test_small_groups_travel_packed_and_unchanged(svc: BufferService):
     """A batch of small groups is one frame each way; the learner gets the very bytes the producer sent."""
     c = BufferClient(svc.address, timeout_s=5.0)
+    wire: list[tuple[str, bool, int]] = []  # (kind, packed, frames after the header) of each request and reply
+    send, wait = c.send_request, c.wait_reply
+
+    def send_spy(kind, timeout_s=None, parts=None, **fields):
+        wire.append((kind, "sizes" in fields, len(parts or [])))
+        return send(kind, timeout_s, parts, **fields)
+
+    def wait_spy(kind, req_id, timeout_s=None):
+        reply = wait(kind, req_id, timeout_s)
+        wire.append((f"{kind} reply", "sizes" in reply, len(reply["parts"])))
+        return reply
+
+    c.send_request, c.wait_reply = send_spy, wait_spy
     try:
         groups = [make_group(f"s{i}", payload_bytes=100 * (i + 1)) for i in range(4)]
         sent = [encode_group(g) for g in groups]
         assert c.put_encoded(sent + sent[:1]) == [True] * 4 + [False]  # de-duplicated inside one packed put
+        assert wire[0] == ("put", True, 1), wire
         assert svc.logic.counters["duplicates"] == 1
         # each stored group owns its bytes: one held for long must not pin the frame of its whole batch
         assert all(type(svc.logic.store.get_held(f"s{i}").data) is bytes for i in range(4))
         ids, parts = c.get_encoded(4, 0, wait_s=1.0)
+        assert wire[-1] == ("get reply", True, 1), wire
         assert ids == ["s0", "s1", "s2", "s3"]
         assert [bytes(p) for p in parts] == sent
         assert c.ack(ids) == 4
@@ -191,6 +206,19 @@ def test_envelope_never_accepts_what_the_learner_would_refuse():
         accepted += 1
         Group.from_wire(w)  # raises (and fails the test) if the envelope let a bad group through
     assert refused > 1000 and accepted > 50
+
+
+@pytest.mark.parametrize("dtype", [[1], {"a": 1}])
+@pytest.mark.parametrize("where", ["prompt_ids", "completion_ids", "versions"])
+def test_an_unhashable_dtype_is_malformed_not_a_type_error(where, dtype):
+    """A list or map where a dtype name belongs is a malformed group (WireError), never a TypeError."""
+    from async_rlhf.buffer.envelope import inspect_group
+    from async_rlhf.wire import WireError
+
+    w = make_group("g", payload_bytes=120, samples=2).to_wire()
+    (w if where == "prompt_ids" else w["samples"][1])[where]["dtype"] = dtype
+    with pytest.raises(WireError, match="bad array header"):
+        inspect_group(w)
 
 
 def test_get_can_carry_the_previous_batch_ack(svc: BufferService):

@@ -6,23 +6,11 @@ import asyncio
 import threading
 import time
 
-from async_rlhf.env.base import Prompt, SingleTurnEnv, Turn
+from test_env_groups import EchoPolicy as Policy
+
+from async_rlhf.env.base import Prompt, SingleTurnEnv
 from async_rlhf.generator.groups import GroupRunner
 from async_rlhf.rewards.base import RewardSource
-
-
-class Policy:
-    version = 0
-
-    def encode(self, text: str) -> list[int]:
-        return [ord(c) for c in text]
-
-    def decode(self, ids: list[int]) -> str:
-        return "".join(map(chr, ids))
-
-    async def generate(self, context_ids: list[int]) -> Turn:
-        await asyncio.sleep(0)
-        return Turn(self.encode("5"), [-1.0], [0], "stop")
 
 
 class LateScorer(RewardSource):
