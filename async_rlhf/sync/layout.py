@@ -12,8 +12,6 @@ lists of strings and integers.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -98,11 +96,6 @@ def layout_to_wire(buckets: list[Bucket]) -> list[dict[str, Any]]:
          "entries": [[e.name, list(e.shape), e.offset, e.numel] for e in b.entries]}
         for b in buckets
     ]
-
-
-def layout_digest(buckets: list[Bucket]) -> str:
-    """A short fingerprint of a layout: the push header carries the sender's, a receiver checks its own."""
-    return hashlib.sha1(json.dumps(layout_to_wire(buckets), separators=(",", ":")).encode()).hexdigest()[:16]
 
 
 def layout_from_wire(data: list[dict[str, Any]]) -> list[Bucket]:
