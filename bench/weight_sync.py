@@ -219,12 +219,12 @@ class Bench:
         self.sender.use_layout(buckets)
         nbytes = sum(b.nbytes for b in buckets)
         flat = torch.ones(nbytes, dtype=torch.uint8)
-        pg = self.sender.pg
         self.op(cfg)
         version = [0]
         push_metrics: list[dict] = []
 
-        def raw() -> None:
+        def raw() -> None:  # on the push's current group (a new layout opens a new epoch at the first push)
+            pg = self.sender.pg
             post_broadcast(pg, flat).wait(seconds(TIMEOUT_S))
             all_done(pg)
 

@@ -15,11 +15,15 @@ once that op has timed out (its destructor would block until then).
 
 from __future__ import annotations
 
+import atexit
+import ctypes
 import datetime as dt
 import logging
 import socket
 import time
+import weakref
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -101,6 +105,25 @@ def retire(pg: dist.ProcessGroup | None, pending: list[dist.Work]) -> None:
     if pg is not None:
         _RETIRED.append((pg, [w for w in pending if not w.is_completed()]))
     _RETIRED[:] = [(g, ws) for g, ws in _RETIRED if not all(w.is_completed() for w in ws)]
+
+
+_OWNERS: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def track(owner: Any) -> None:
+    """Register a sender or receiver (``_pg`` and ``_works`` attributes) for :func:`_keep_pending_at_exit`."""
+    _OWNERS.add(owner)
+
+
+@atexit.register
+def _keep_pending_at_exit() -> None:
+    """A group with an op still pending (a member's receives posted for a push that never came, an abandoned
+    push) would hold the process's exit until that op times out: gloo joins its worker threads when the group
+    is destroyed. Such groups are kept alive for good instead; the exiting process reclaims them."""
+    groups = list(_RETIRED) + [(o._pg, o._works) for o in list(_OWNERS) if getattr(o, "_pg", None) is not None]
+    for pg, works in groups:
+        if not all(w.is_completed() for w in works):
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(pg))
 
 
 def post_broadcast(pg: dist.ProcessGroup, tensor: torch.Tensor, root: int = 0) -> dist.Work:

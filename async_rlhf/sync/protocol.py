@@ -3,7 +3,8 @@
 Tensors and the acknowledgement of a push travel on a gloo/NCCL process group; everything else (who is in
 the group, which version a push carries, who failed and why) travels through the TCPStore that the sender
 hosts: a store round trip costs about as much as a 1 MB transfer on a loaded 2-core machine, so the
-fast path of a push has a single one (the header). The store outlives
+fast path of a push has none on its critical path (the store header is written while the first chunk is on
+the wire; joiners are looked for by a thread of the sender). The store outlives
 every process group: when membership changes, the sender opens a new *epoch* (a new process group on a
 fresh key prefix of the same store), so a joiner only ever needs the store's address.
 
@@ -25,11 +26,16 @@ Join, rebuild, push, ack (k counts push headers within an epoch; every wait has 
         wait(e'/ready/<id> for every member) <-------  set(e'/ready/gen1)
         set(e'/go) ---------------------------------> wait(e'/go)
         build the group of e' (rank 0) <=============> build the group of e' (rendezvous on e'/pg/)
-      post broadcast of chunk 0, then
-      set(e'/hdr/k, {"version": v, "layout": digest}) -> wait(e'/hdr/k); refuse a foreign layout (its
-                                                       digest covers the chunks too)
-      broadcast chunks 0..C-1 =======================> receive every chunk into the buffer (on a thread:
-                                                       the engine keeps generating)
+      broadcast the group header [v, digest, e, k] and chunks 0..C-1 (posted at once), then
+      set(e'/hdr/k, {"version": v, "layout": digest})
+                                                      first push of the epoch, or a new layout here (slow):
+                                    ----------------> wait(e'/hdr/k); refuse a foreign layout (its digest
+                                                      covers the chunks too); post header + chunk receives
+                                                      later pushes (fast): header + chunk receives were
+                                                      posted when the fetch began; the group header says
+                                                      which push it is; between idle slices a member looks
+                                                      for e/hdr/k = {"next": e'} (the sender rebuilt instead)
+      header + chunks ===============================> into the buffer (on a thread: the engine generates)
       ack: allreduce(-n * v) <=======================> allreduce(v): this member holds v whole
       sum 0 by the deadline: every member holds v         (own failure instead: set(e'/ack/k/gen1, "error:
                                                        ..."), then add(e'/failed/k); no allreduce)
@@ -41,7 +47,10 @@ Join, rebuild, push, ack (k counts push headers within an epoch; every wait has 
             raise PushError(missing, errors, aborted); the next push opens a new epoch
 
 ``missing`` (no report at all: dead or hung) and ``errors`` (reported its own failure) are the members to
-drop; ``aborted`` ones only gave up because the sender did. A receiver that finds itself absent from
+drop; ``aborted`` ones only gave up because the sender did. Within an epoch the wire never changes
+(``Sender.use_layout`` with another digest opens a new epoch), so pre-posted receives always match what
+comes. Receives pre-posted for longer than the group's own timeout fail there; that member then joins
+again (a new incarnation) and the next push rebuilds the group with it. A receiver that finds itself absent from
 e'/members was dropped: it raises ``Excluded`` and may join again. Keys are never deleted (a few hundred
 bytes per push).
 """
@@ -167,6 +176,22 @@ class Header:
         if isinstance(data, dict) and set(data) == {"next"} and isinstance(data["next"], int):
             return Header(next_epoch=data["next"])
         raise ValueError(f"malformed push header: {data!r}")
+
+
+GROUP_HEADER_INTS = 4
+"""The header a push also sends on the group, before its chunks: version, wire digest, epoch, k."""
+
+
+def group_header(version: int, digest: str, epoch: int, k: int) -> list[int]:
+    """The int64s of the group header (the 64-bit hex digest of the wire as a signed integer)."""
+    value = int(digest, 16)
+    return [version, value - (1 << 64) if value >= 1 << 63 else value, epoch, k]
+
+
+def read_group_header(ints: list[int]) -> tuple[int, str, int, int]:
+    """(version, digest, epoch, k) from :func:`group_header`'s integers."""
+    version, value, epoch, k = ints
+    return version, f"{value & ((1 << 64) - 1):016x}", epoch, k
 
 
 def merge_members(current: list[Member], dropped: set[str], joiners: list[Member]) -> list[Member]:

@@ -5,8 +5,8 @@ later one), and receives the push's chunks straight into it: nothing is done per
 transfer (the named views are built once per layout). An update has two phases, so that the engine
 stands still only for the second::
 
-    fetch():  wait(hdr k) -> post recv(chunk 0..C-1) -> wait all -> ack (allreduce) (engine keeps generating,
-                                                                                 fetch runs on a thread)
+    fetch():  post recv(header, chunk 0..C-1) -> wait all -> ack (allreduce)   (engine keeps generating,
+              (the first push of an epoch: wait(store hdr k) first)               fetch runs on a thread)
     apply():  load(every bucket's named tensors) -> live key (wall time)          (engine paused between
                                                                                  two steps: the swap)
 
@@ -43,18 +43,25 @@ from async_rlhf.sync import protocol as P
 from async_rlhf.sync.group import (
     Aborted,
     SyncError,
+    SyncTimeout,
     build_pg,
     connect_store,
     left,
     post_broadcast,
     retire,
     store_wait,
+    track,
     wait_work,
 )
 from async_rlhf.sync.layout import Bucket, auto_chunk_bytes
 from async_rlhf.sync.tensors import arena_offsets, chunk_ranges, named_views, wire_digest
 
 log = logging.getLogger(__name__)
+
+IDLE_SLICE_S = 0.05
+"""While pre-posted for the next push, how often a member asks the store whether a new epoch came instead."""
+REJOINED = P.Header(next_epoch=-1)
+"""What :meth:`Receiver._next_header` returns after joining again (read the new epoch's first push)."""
 
 Load = Callable[[Iterator], object]
 """Consumes an iterator of (name, tensor), or of lists of them (one per bucket) with ``per_bucket``."""
@@ -103,7 +110,14 @@ class Receiver:
         self._pg: dist.ProcessGroup | None = None
         self._works: list[dist.Work] = []
         self._queued = False
+        self._header = torch.zeros(P.GROUP_HEADER_INTS, dtype=torch.int64)
+        self._expect: tuple[int, str] | None = None
+        """(epoch, wire digest) of the last push received whole: the next push of that epoch with that
+        layout needs no store header, so its receives are posted at once (the fast path)."""
+        self._posted: tuple[int, int, list[dist.Work]] | None = None
+        """Receives posted for push k of epoch e (they stay posted across a fetch that timed out)."""
         self.use_layout(buckets)
+        track(self)
 
     @property
     def member_id(self) -> str:
@@ -156,7 +170,7 @@ class Receiver:
         store_wait(self.store, [P.members_key(epoch)], deadline, f"the member list of epoch {epoch}")
         members = P.decode_members(self.store.get(P.members_key(epoch)))
         retire(self._pg, self._works)
-        self._pg, self._works, self.epoch, self._k = None, [], None, 0
+        self._pg, self._works, self.epoch, self._k, self._posted = None, [], None, 0, None
         if self.me not in members:
             raise Excluded(f"member {self.me.id} was dropped from the push group at epoch {epoch}; "
                            "join again to come back")
@@ -185,26 +199,104 @@ class Receiver:
             self.join(left(deadline))
         while True:
             e, k = self.epoch, self._k
-            store_wait(self.store, [P.header_key(e, k)], deadline, f"push {k} of epoch {e} (is the sender pushing?)")
-            header = P.Header.decode(self.store.get(P.header_key(e, k)))
+            if self._posted is None and self._pg is not None and self._expect == (e, self.layout_digest):
+                self._posted = (e, k, self._post())  # the fast path: the receives wait on the group already
+            header = self._next_header(e, k, deadline)
+            if header is REJOINED:
+                continue
             self._k += 1
+            if header is None:  # the group header of push k came first: this member was pre-posted for it
+                break
             if header.next_epoch is None:
                 break
             self._enter(header.next_epoch, deadline)
-        version = header.version
         t_header = time.perf_counter()
+        preposted = header is None
+        works: list[dist.Work] = []
+        version = -1
         try:
             if self._pg is None:
                 raise SyncError(f"the group of epoch {e} was never built here")
-            if header.layout != self.layout_digest:
-                raise SyncError(f"layout mismatch: the sender pushes layout {header.layout}, this member holds "
+            if header is not None:  # the slow path: the store said what comes; post the receives now
+                version = header.version
+                if header.layout != self.layout_digest:
+                    raise SyncError(f"layout mismatch: the sender pushes layout {header.layout}, this member "
+                                    f"holds {self.layout_digest} (call use_layout on both sides at the same boundary)")
+                self._posted = (e, k, self._post())
+            works = self._posted[2]
+            self._posted = None
+            wait_work(works[0], deadline, f"the header of push {k} of epoch {e}", self._abort(e, k), self.slice_s)
+            got_version, digest, got_e, got_k = P.read_group_header(self._header.tolist())
+            if (got_e, got_k) != (e, k) or (header is not None and got_version != version):
+                raise SyncError(f"the group header says push {got_k} of epoch {got_e} (version {got_version}), "
+                                f"this member expected push {k} of epoch {e}")
+            if digest != self.layout_digest:
+                raise SyncError(f"layout mismatch: the sender pushes layout {digest}, this member holds "
                                 f"{self.layout_digest} (call use_layout on both sides at the same boundary)")
-            self._transfer(version, e, k, deadline)
+            version = got_version
+            self._transfer(works[1:], version, e, k, deadline)
         except Exception as exc:
+            self._expect = None
             self._report(e, k, exc)
             raise ReceiveError(f"member {self.me.id} failed to receive version {version}: {exc}") from exc
-        return Staged(version, e, k, {"sync/wait_header_s": t_header - t0,
+        self._expect = (e, self.layout_digest)
+        return Staged(version, e, k, {"sync/wait_header_s": t_header - t0, "sync/preposted": float(preposted),
                                       "sync/transfer_s": time.perf_counter() - t_header})
+
+    def _post(self) -> list[dist.Work]:
+        """Post the receives of one push on the group: its header, then every chunk into the buffer."""
+        arena = self.arena()
+        works = [post_broadcast(self._pg, self._header)]
+        works += [post_broadcast(self._pg, arena[start:end]) for start, end in self.chunks]
+        self._works = works
+        return works
+
+    def _abort(self, e: int, k: int) -> Callable[[], str | None]:
+        aborted = P.abort_key(e, k)
+
+        def abort() -> str | None:
+            return "the sender aborted this push" if self.store.check([aborted]) else None
+
+        return abort
+
+    def _store_header(self, e: int, k: int) -> P.Header | None:
+        key = P.header_key(e, k)
+        return P.Header.decode(self.store.get(key)) if self.store.check([key]) else None
+
+    def _next_header(self, e: int, k: int, deadline: float) -> P.Header | None:
+        """What push k of epoch e is. Pre-posted (fast path): None once its header arrived on the group, or
+        the store's move to the next epoch. Otherwise: the store's header, whichever it is."""
+        if self._posted is None:
+            store_wait(self.store, [P.header_key(e, k)], deadline, f"push {k} of epoch {e} (is the sender pushing?)")
+            return self._store_header(e, k)
+        moved: list[P.Header] = []
+
+        def next_epoch() -> str | None:  # between slices: did the sender open a new epoch instead of pushing?
+            header = self._store_header(e, k)
+            if header is not None and header.next_epoch is not None:
+                moved.append(header)
+                return f"the sender opened epoch {header.next_epoch}"
+            return None
+
+        try:
+            wait_work(self._posted[2][0], deadline, f"push {k} of epoch {e} (is the sender pushing?)", next_epoch,
+                      IDLE_SLICE_S)
+            return None
+        except SyncTimeout:
+            raise  # no push in time: the receives stay posted for the next fetch
+        except SyncError as exc:
+            # the sender retired the group (a new epoch), or the receives outlived the group's own timeout
+            header = moved[0] if moved else self._store_header(e, k)
+            if header is not None and header.next_epoch is not None:
+                self._posted = None
+                return header
+            log.warning("member %s: the receives posted for push %d of epoch %d failed (%s); joining again",
+                        self.me.id, k, e, exc)
+            self._posted, self._expect = None, None
+            retire(self._pg, self._works)
+            self._pg, self._works, self.epoch = None, [], None
+            self.join(left(deadline))
+            return REJOINED
 
     def apply(self, staged: Staged, load: Load, per_bucket: bool = False) -> Received:
         """Hand the staged version to ``load`` (an iterator of (name, tensor), or with ``per_bucket`` one
@@ -249,22 +341,16 @@ class Receiver:
         got.metrics["sync/pause_s"] = time.perf_counter() - t0
         return got
 
-    def _transfer(self, version: int, e: int, k: int, deadline: float) -> None:
-        aborted = P.abort_key(e, k)
-
-        def abort() -> str | None:
-            return "the sender aborted this push" if self.store.check([aborted]) else None
-
-        arena = self.arena()
-        works = [post_broadcast(self._pg, arena[start:end]) for start, end in self.chunks]
-        self._works = works
+    def _transfer(self, works: list[dist.Work], version: int, e: int, k: int, deadline: float) -> None:
+        """Wait for every chunk (already posted), then acknowledge: this member holds ``version`` whole."""
+        abort = self._abort(e, k)
         for c, w in enumerate(works):
             wait_work(w, deadline, f"chunk {c} of version {version}", abort, self.slice_s)
-        # the acknowledgement (see Sender.push): this member holds ``version`` whole. The collective needs
-        # every member, so if it fails, another one did (this one's bytes are all here): a victim's report
-        works.append(self._pg.allreduce([torch.tensor([version], dtype=torch.int64)]))
+        # the acknowledgement (see Sender.push). The collective needs every member, so if it fails, another
+        # one did (this one's bytes are all here): a victim's report
+        self._works.append(self._pg.allreduce([torch.tensor([version], dtype=torch.int64)]))
         try:
-            wait_work(works[-1], deadline, f"the acknowledgement of version {version}", abort, self.slice_s)
+            wait_work(self._works[-1], deadline, f"the acknowledgement of version {version}", abort, self.slice_s)
         except Aborted:
             raise
         except SyncError as exc:
@@ -280,6 +366,12 @@ class Receiver:
                 self.store.add(P.failed_key(e, k), 1)
         except Exception:  # the sender may be gone; the original error is what matters
             log.exception("could not report the failure to the sender")
+
+    def __del__(self) -> None:
+        # a group with ops still pending must not be destroyed here (that blocks until they time out): retire
+        # keeps it until they end (or for good, at exit)
+        with contextlib.suppress(Exception):
+            retire(self._pg, self._works)
 
     def close(self) -> None:
         retire(self._pg, self._works)

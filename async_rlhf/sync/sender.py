@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
+import weakref
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -38,11 +40,13 @@ from async_rlhf.sync.group import (
     SyncError,
     SyncTimeout,
     build_pg,
+    connect_store,
     host_store,
     left,
     post_broadcast,
     retire,
     store_wait,
+    track,
     wait_work,
 )
 from async_rlhf.sync.layout import Bucket, auto_chunk_bytes
@@ -59,6 +63,9 @@ from async_rlhf.sync.tensors import (
 __all__ = ["PushError", "Sender", "TORCH_DTYPES", "dtype_name"]
 
 log = logging.getLogger(__name__)
+
+JOIN_POLL_S = 0.02
+"""How often the sender looks for join requests (on its own thread and store connection)."""
 
 
 class PushError(SyncError):
@@ -86,6 +93,17 @@ class PushError(SyncError):
         return self.missing + [m for m in self.errors if m not in self.missing]
 
 
+def _watch_joins(store: dist.TCPStore, seen: threading.Event, stop: threading.Event) -> None:
+    """Looks for join requests off the push's critical path (a store round trip costs as much as a 1 MB
+    transfer), so that :meth:`Sender.push` only takes them when there are some."""
+    while not stop.wait(JOIN_POLL_S):
+        try:
+            if store.queue_len(P.JOIN_QUEUE):
+                seen.set()
+        except Exception:  # the store went away with the sender
+            return
+
+
 class Sender:
     """Learner rank 0's end of the push group. Not thread-safe: call from one thread."""
 
@@ -110,7 +128,16 @@ class Sender:
         self._queued: list[P.Member] = []
         self._works: list[dist.Work] = []
         self._last: tuple[int, int, list[str]] | None = None  # epoch, k and members of the last push
+        self._header = torch.zeros(P.GROUP_HEADER_INTS, dtype=torch.int64)
         self.use_layout(buckets)
+        track(self)
+        self._joins_seen = threading.Event()
+        self._watcher_stop = threading.Event()
+        self._watcher = threading.Thread(  # holds no reference to the sender: it must not keep it alive
+            target=_watch_joins, args=(connect_store(host, self.port, timeout_s), self._joins_seen, self._watcher_stop),
+            name="push-join-watcher", daemon=True)
+        self._watcher.start()
+        weakref.finalize(self, self._watcher_stop.set)  # also at exit: stop polling before the store goes
 
     # -- membership ---------------------------------------------------------------------------------
     @property
@@ -143,7 +170,20 @@ class Sender:
         """Remove members at the next push (the version boundary); unknown ids are ignored."""
         self._dropped |= set(member_ids) & set(self.members)
 
+    @property
+    def joins_noticed(self) -> bool:
+        """Whether join requests were seen queued since the sender last took them (the next push will)."""
+        return self._joins_seen.is_set()
+
+    def poll_joiners(self) -> list[str]:
+        """Take the join requests queued now (a store round trip) and return every member id waiting for
+        admission at the next push. :meth:`push` notices joiners by itself within ``JOIN_POLL_S``; call this
+        to be sure a request already queued is admitted by the very next push."""
+        self._take_joiners()
+        return [m.id for m in self._queued]
+
     def _take_joiners(self) -> None:
+        self._joins_seen.clear()
         n = self.store.queue_len(P.JOIN_QUEUE)
         for _ in range(n):
             raw = self.store.queue_pop(P.JOIN_QUEUE, False)
@@ -190,11 +230,18 @@ class Sender:
 
     # -- data path ----------------------------------------------------------------------------------
     def use_layout(self, buckets: list[Bucket]) -> None:
-        """Set the bucket layout (receivers must use the same); reallocates the packing slots lazily."""
+        """Set the bucket layout (receivers must use the same); reallocates the packing slots lazily.
+
+        A change of what goes on the wire opens a new epoch at the next push: members pre-post their receives
+        for the layout of the epoch's last push, so the wire must not change under them within an epoch."""
         _, total = arena_offsets(buckets)
-        self.chunks = chunk_ranges(total, self.chunk_bytes or auto_chunk_bytes(total))
+        chunks = chunk_ranges(total, self.chunk_bytes or auto_chunk_bytes(total))
+        digest = wire_digest(buckets, chunks)
+        if self._pg is not None and digest != getattr(self, "layout_digest", digest):
+            self._broken = True
+        self.chunks = chunks
         self.buckets = buckets
-        self.layout_digest = wire_digest(buckets, self.chunks)
+        self.layout_digest = digest
         self._pieces = chunk_pieces(buckets, self.chunks)
         self._names = [e.name for b in buckets for e in b.entries]
         self._shapes = [(torch.Size(e.shape), TORCH_DTYPES[b.dtype]) for b in buckets for e in b.entries]
@@ -240,7 +287,8 @@ class Sender:
         t0 = time.perf_counter()
         deadline = time.monotonic() + self.timeout_s
         tensors = self._tensors(params)  # a layout mismatch raises here, before anything is announced
-        self._take_joiners()
+        if self._joins_seen.is_set():
+            self._take_joiners()
         rebuilt = bool(self._queued or self._dropped or self._broken)
         if rebuilt:
             self._rebuild(deadline, version)
@@ -254,6 +302,7 @@ class Sender:
         e, k = self.epoch, self._k
         self._k += 1
         header = P.Header(version=version, layout=self.layout_digest).encode()
+        self._header.copy_(torch.tensor(P.group_header(version, self.layout_digest, e, k), dtype=torch.int64))
         announced = False
         failed = P.failed_key(e, k)
 
@@ -265,6 +314,9 @@ class Sender:
         slot_work: dict[int, dist.Work] = {}
         pack_s = 0.0
         try:
+            # the header goes first on the group itself: members that pre-posted their receives (every push
+            # of an epoch but its first) learn the version from it and wait for nothing else
+            works.append(post_broadcast(self._pg, self._header))
             for c, (start, end) in enumerate(self.chunks):
                 pieces = self._pieces[c]
                 srcs = [tensors[p.index] for p in pieces]
@@ -283,11 +335,12 @@ class Sender:
                     slot_work[slot] = works[-1]
                 else:
                     works.append(post_broadcast(self._pg, data))
-                if not announced:  # the header's store round trip overlaps the first chunk's transfer
+                if not announced:  # the store header (for members not pre-posted) overlaps the first chunk
                     self.store.set(P.header_key(e, k), header)
                     announced = True
-            for c, w in enumerate(works):
-                wait_work(w, deadline, f"broadcast of chunk {c} of version {version}", abort, self.slice_s)
+            for c, w in enumerate(works):  # works[0] is the group header, then chunk c - 1
+                what = f"chunk {c - 1}" if c else "the header"
+                wait_work(w, deadline, f"broadcast of {what} of version {version}", abort, self.slice_s)
             t_sent = time.perf_counter()
             # the acknowledgement: one collective on the group, to which every member contributes the version
             # it received whole (no store round trips); a member that failed reports through the store
@@ -362,6 +415,13 @@ class Sender:
         log.error("%s", err)
         raise err from cause
 
+    def __del__(self) -> None:
+        # a group with ops still pending must not be destroyed here (that blocks until they time out): retire
+        # keeps it until they end (or for good, at exit)
+        with contextlib.suppress(Exception):
+            retire(self._pg, self._works)
+
     def close(self) -> None:
+        self._watcher_stop.set()
         retire(self._pg, self._works)
         self._pg = None

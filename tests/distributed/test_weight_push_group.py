@@ -18,7 +18,7 @@ import torch
 import torch.multiprocessing as mp
 from conftest import stop_process
 
-from async_rlhf.sync.group import free_port, post_broadcast
+from async_rlhf.sync.group import free_port
 from async_rlhf.sync.layout import TensorSpec, layout_from_wire, layout_to_wire, plan_buckets
 from async_rlhf.sync.receiver import Excluded, ReceiveError, Receiver
 from async_rlhf.sync.sender import PushError, Sender
@@ -75,9 +75,7 @@ class _BreaksMidPush(Receiver):
     action: str
     out: object
 
-    def _transfer(self, version: int, e: int, k: int, deadline: float) -> None:
-        arena = self.arena()
-        works = [post_broadcast(self._pg, arena[start:end]) for start, end in self.chunks]
+    def _transfer(self, works: list, version: int, e: int, k: int, deadline: float) -> None:
         assert len(works) > 1
         works[0].wait()  # mid-push
         self.out.put((self.me.id, self.action, None))
@@ -271,7 +269,7 @@ def test_dead_and_hung_receivers_are_named_then_group_rebuilt_and_late_joiner_se
     # version before doing anything else
     members.start(sender.port, "gen1", ["recv"])
     deadline = time.monotonic() + SPAWN_S
-    while sender.store.queue_len("joins") == 0:
+    while not sender.poll_joiners():
         assert time.monotonic() < deadline, "the restarted gen1 never asked to join"
         time.sleep(0.05)
     metrics = sender.push(make_params(4), 4)

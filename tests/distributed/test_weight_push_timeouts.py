@@ -76,6 +76,10 @@ def test_join_and_receive_time_out_without_a_sender_acting():
 def test_admitted_member_that_never_gets_ready_is_named_and_can_be_dropped():
     sender = Sender(BUCKETS, HOST, free_port(), timeout_s=1.0)
     sender.store.queue_push(P.JOIN_QUEUE, P.encode_join(P.Member("ghost", "x")))  # asks, then vanishes
+    deadline = time.monotonic() + 5.0
+    while not sender.joins_noticed:  # the sender's watcher sees the request by itself, off the push's path
+        assert time.monotonic() < deadline, "the sender never noticed the join request"
+        time.sleep(0.01)
     with pytest.raises(PushError) as info:
         bounded(lambda: sender.push(params(1), 1), 3.0)
     assert info.value.missing == ["ghost"] and "did not enter the rebuilt group" in str(info.value)
@@ -116,7 +120,7 @@ def test_dropped_member_is_told_it_was_excluded_and_can_join_again():
 
     th = run(lambda: rx.receive(load, timeout_s=10.0))  # joins again, gets the next version
     deadline = time.monotonic() + 10
-    while sender.store.queue_len(P.JOIN_QUEUE) == 0:
+    while not sender.poll_joiners():
         assert time.monotonic() < deadline
         time.sleep(0.01)
     sender.push(params(3), 3)
