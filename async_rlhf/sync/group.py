@@ -25,6 +25,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -131,6 +132,17 @@ def post_broadcast(pg: dist.ProcessGroup, tensor: torch.Tensor, root: int = 0) -
     opts.rootRank = root
     opts.rootTensor = 0
     return pg.broadcast([tensor], opts)
+
+
+def int64s(values: list[int]) -> torch.Tensor:
+    """A fresh int64 tensor (through numpy: a tenth of ``torch.tensor``'s cost, which shows on a 2 ms push)."""
+    return torch.from_numpy(np.array(values, dtype=np.int64))
+
+
+def last_first(n: int) -> list[int]:
+    """The order to wait for n ops posted together: the last one first, then the others (done by then, as a
+    rule). One thread wake-up instead of n: on a busy machine each costs about 0.1 ms."""
+    return [n - 1, *range(n - 1)] if n else []
 
 
 def wait_work(work: dist.Work, deadline: float, what: str, abort: Callable[[], str | None] | None = None,

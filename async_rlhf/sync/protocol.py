@@ -3,8 +3,9 @@
 Tensors and the acknowledgement of a push travel on a gloo/NCCL process group; everything else (who is in
 the group, which version a push carries, who failed and why) travels through the TCPStore that the sender
 hosts: a store round trip costs about as much as a 1 MB transfer on a loaded 2-core machine, so the
-fast path of a push has none on its critical path (the store header is written while the first chunk is on
-the wire; joiners are looked for by a thread of the sender). The store outlives
+fast path of a push has none (members learn the version from the acknowledgement; joiners are looked for by
+a thread of the sender), and a push costs the same collectives as a raw broadcast plus one allreduce
+whenever it fits in one chunk. The store outlives
 every process group: when membership changes, the sender opens a new *epoch* (a new process group on a
 fresh key prefix of the same store), so a joiner only ever needs the store's address.
 
@@ -26,18 +27,19 @@ Join, rebuild, push, ack (k counts push headers within an epoch; every wait has 
         wait(e'/ready/<id> for every member) <-------  set(e'/ready/gen1)
         set(e'/go) ---------------------------------> wait(e'/go)
         build the group of e' (rank 0) <=============> build the group of e' (rendezvous on e'/pg/)
-      broadcast the group header [v, digest, e, k] and chunks 0..C-1 (posted at once), then
+      post the broadcasts of chunks 0..C-1; at an epoch's first push (k = 0) only, then
       set(e'/hdr/k, {"version": v, "layout": digest})
-                                                      first push of the epoch, or a new layout here (slow):
-                                    ----------------> wait(e'/hdr/k); refuse a foreign layout (its digest
-                                                      covers the chunks too); post header + chunk receives
-                                                      later pushes (fast): header + chunk receives were
-                                                      posted when the fetch began; the group header says
-                                                      which push it is; between idle slices a member looks
-                                                      for e/hdr/k = {"next": e'} (the sender rebuilt instead)
-      header + chunks ===============================> into the buffer (on a thread: the engine generates)
-      ack: allreduce(-n * v) <=======================> allreduce(v): this member holds v whole
-      sum 0 by the deadline: every member holds v         (own failure instead: set(e'/ack/k/gen1, "error:
+                                    ----------------> k = 0 (slow): wait(e'/hdr/k); refuse a foreign layout
+                                                      (its digest covers the chunks too); post the receives
+                                                      k > 0 (fast): the receives were posted when the fetch
+                                                      began (the epoch's wire never changes); between idle
+                                                      slices look for e/hdr/k = {"next": e'} (the sender
+                                                      rebuilt instead of pushing)
+      chunks 0..C-1 =================================> into the buffer (on a thread: the engine generates)
+      ack: allreduce(H = [v, digest, e, k]) <========> allreduce(zeros): this member holds every chunk; the
+      result H by the deadline: every member holds v     result tells it which version (k > 0) and which
+                                                         layout: a foreign one is refused before loading
+                                                      (own failure instead: set(e'/ack/k/gen1, "error:
                                                        ..."), then add(e'/failed/k); no allreduce)
                                                       between two engine steps: load v, then
       live_times(): v is live at gen1 from then <----  set(e'/live/k/gen1, wall time)
@@ -179,11 +181,11 @@ class Header:
 
 
 GROUP_HEADER_INTS = 4
-"""The header a push also sends on the group, before its chunks: version, wire digest, epoch, k."""
+"""The push header the sender brings to the acknowledgement's allreduce: version, wire digest, epoch, k."""
 
 
 def group_header(version: int, digest: str, epoch: int, k: int) -> list[int]:
-    """The int64s of the group header (the 64-bit hex digest of the wire as a signed integer)."""
+    """The int64s of the push header on the group (the 64-bit hex digest of the wire as a signed integer)."""
     value = int(digest, 16)
     return [version, value - (1 << 64) if value >= 1 << 63 else value, epoch, k]
 

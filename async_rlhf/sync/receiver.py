@@ -5,7 +5,7 @@ later one), and receives the push's chunks straight into it: nothing is done per
 transfer (the named views are built once per layout). An update has two phases, so that the engine
 stands still only for the second::
 
-    fetch():  post recv(header, chunk 0..C-1) -> wait all -> ack (allreduce)   (engine keeps generating,
+    fetch():  post recv(chunk 0..C-1) -> wait all -> ack (allreduce: learns v)  (engine keeps generating,
               (the first push of an epoch: wait(store hdr k) first)               fetch runs on a thread)
     apply():  load(every bucket's named tensors) -> live key (wall time)          (engine paused between
                                                                                  two steps: the swap)
@@ -46,6 +46,8 @@ from async_rlhf.sync.group import (
     SyncTimeout,
     build_pg,
     connect_store,
+    int64s,
+    last_first,
     left,
     post_broadcast,
     retire,
@@ -110,10 +112,11 @@ class Receiver:
         self._pg: dist.ProcessGroup | None = None
         self._works: list[dist.Work] = []
         self._queued = False
-        self._header = torch.zeros(P.GROUP_HEADER_INTS, dtype=torch.int64)
-        self._expect: tuple[int, str] | None = None
-        """(epoch, wire digest) of the last push received whole: the next push of that epoch with that
-        layout needs no store header, so its receives are posted at once (the fast path)."""
+        self._expect: tuple[int, list[tuple[int, int]], torch.Tensor] | None = None
+        """(epoch, chunks, buffer) of the last push received whole: the next push of that epoch has the same
+        wire (the sender opens a new epoch to change it) and no store header, so its receives are posted at
+        once (the fast path), into that buffer even if this member changed its layout since (its header's
+        digest then refuses it)."""
         self._posted: tuple[int, int, list[dist.Work]] | None = None
         """Receives posted for push k of epoch e (they stay posted across a fetch that timed out)."""
         self.use_layout(buckets)
@@ -129,11 +132,15 @@ class Receiver:
         return self._pg
 
     def use_layout(self, buckets: list[Bucket]) -> None:
-        """Set the bucket layout (the sender's); the buffer is allocated on the next receive."""
-        self.buckets = buckets
-        self._offsets, self._arena_bytes = arena_offsets(buckets)
-        self.chunks = chunk_ranges(self._arena_bytes, self.chunk_bytes or auto_chunk_bytes(self._arena_bytes))
-        self.layout_digest = wire_digest(buckets, self.chunks)
+        """Set the bucket layout (the sender's); the buffer is allocated on the next receive. The same layout
+        again changes nothing (receives may be posted into the current buffer)."""
+        offsets, arena_bytes = arena_offsets(buckets)
+        chunks = chunk_ranges(arena_bytes, self.chunk_bytes or auto_chunk_bytes(arena_bytes))
+        digest = wire_digest(buckets, chunks)
+        if digest == getattr(self, "layout_digest", None):
+            return
+        self.buckets, self._offsets, self._arena_bytes, self.chunks = buckets, offsets, arena_bytes, chunks
+        self.layout_digest = digest
         self._arena: torch.Tensor | None = None
         self._views: list[list[tuple[str, torch.Tensor]]] = []
 
@@ -155,10 +162,7 @@ class Receiver:
         is already on its way."""
         deadline = time.monotonic() + (timeout_s or self.timeout_s)
         if not self._queued:
-            # every request is a new incarnation: its admission key cannot be confused with an old one
-            self.me = P.Member(self.me.id, uuid.uuid4().hex[:12])
-            self.store.queue_push(P.JOIN_QUEUE, P.encode_join(self.me))
-            self._queued = True
+            self._ask_to_join()
         key = P.admit_key(self.me)
         store_wait(self.store, [key], deadline, f"admission of {self.me.id} to the push group (is the sender pushing?)")
         self._queued = False
@@ -199,55 +203,53 @@ class Receiver:
             self.join(left(deadline))
         while True:
             e, k = self.epoch, self._k
-            if self._posted is None and self._pg is not None and self._expect == (e, self.layout_digest):
-                self._posted = (e, k, self._post())  # the fast path: the receives wait on the group already
+            expect = self._expect
+            if self._posted is None and self._pg is not None and expect and expect[0] == e and expect[1]:
+                self._posted = (e, k, self._post(*expect[1:]))  # the fast path: no store header
             header = self._next_header(e, k, deadline)
             if header is REJOINED:
                 continue
             self._k += 1
-            if header is None:  # the group header of push k came first: this member was pre-posted for it
+            if header is None:  # push k's first chunk is arriving: this member was pre-posted for it
                 break
             if header.next_epoch is None:
                 break
             self._enter(header.next_epoch, deadline)
         t_header = time.perf_counter()
-        preposted = header is None
-        works: list[dist.Work] = []
-        version = -1
+        preposted, acked_foreign = header is None, False
+        version = -1 if header is None else header.version
         try:
             if self._pg is None:
                 raise SyncError(f"the group of epoch {e} was never built here")
             if header is not None:  # the slow path: the store said what comes; post the receives now
-                version = header.version
                 if header.layout != self.layout_digest:
                     raise SyncError(f"layout mismatch: the sender pushes layout {header.layout}, this member "
                                     f"holds {self.layout_digest} (call use_layout on both sides at the same boundary)")
-                self._posted = (e, k, self._post())
+                self._posted = (e, k, self._post(self.chunks, self.arena()))
             works = self._posted[2]
             self._posted = None
-            wait_work(works[0], deadline, f"the header of push {k} of epoch {e}", self._abort(e, k), self.slice_s)
-            got_version, digest, got_e, got_k = P.read_group_header(self._header.tolist())
-            if (got_e, got_k) != (e, k) or (header is not None and got_version != version):
-                raise SyncError(f"the group header says push {got_k} of epoch {got_e} (version {got_version}), "
-                                f"this member expected push {k} of epoch {e}")
-            if digest != self.layout_digest:
-                raise SyncError(f"layout mismatch: the sender pushes layout {digest}, this member holds "
+            got = self._transfer(works, version, e, k, deadline)
+            if (got[2], got[3]) != (e, k) or (header is not None and got[0] != version):
+                raise SyncError(f"the acknowledgement carries push {got[3]} of epoch {got[2]} (version {got[0]}), "
+                                f"this member received push {k} of epoch {e} (version {version})")
+            version = got[0]
+            if got[1] != self.layout_digest:  # pre-posted with the epoch's wire, but this member changed layout
+                acked_foreign = True
+                raise SyncError(f"layout mismatch: the sender pushes layout {got[1]}, this member holds "
                                 f"{self.layout_digest} (call use_layout on both sides at the same boundary)")
-            version = got_version
-            self._transfer(works[1:], version, e, k, deadline)
         except Exception as exc:
             self._expect = None
             self._report(e, k, exc)
+            if acked_foreign:  # the sender thinks it delivered: join again, so that its next push rebuilds the
+                self._leave(join_again=True)  # group and this member refuses that push before any byte
             raise ReceiveError(f"member {self.me.id} failed to receive version {version}: {exc}") from exc
-        self._expect = (e, self.layout_digest)
+        self._expect = (e, self.chunks, self.arena())
         return Staged(version, e, k, {"sync/wait_header_s": t_header - t0, "sync/preposted": float(preposted),
                                       "sync/transfer_s": time.perf_counter() - t_header})
 
-    def _post(self) -> list[dist.Work]:
-        """Post the receives of one push on the group: its header, then every chunk into the buffer."""
-        arena = self.arena()
-        works = [post_broadcast(self._pg, self._header)]
-        works += [post_broadcast(self._pg, arena[start:end]) for start, end in self.chunks]
+    def _post(self, chunks: list[tuple[int, int]], arena: torch.Tensor) -> list[dist.Work]:
+        """Post the receives of every chunk of one push into the buffer, on the group."""
+        works = [post_broadcast(self._pg, arena[start:end]) for start, end in chunks]
         self._works = works
         return works
 
@@ -292,11 +294,24 @@ class Receiver:
                 return header
             log.warning("member %s: the receives posted for push %d of epoch %d failed (%s); joining again",
                         self.me.id, k, e, exc)
-            self._posted, self._expect = None, None
-            retire(self._pg, self._works)
-            self._pg, self._works, self.epoch = None, [], None
+            self._leave(join_again=False)
             self.join(left(deadline))
             return REJOINED
+
+    def _leave(self, join_again: bool) -> None:
+        """Leave the current group; with ``join_again``, ask to join as a new incarnation right away (the
+        next :meth:`fetch` waits for the admission)."""
+        self._posted, self._expect = None, None
+        retire(self._pg, self._works)
+        self._pg, self._works, self.epoch = None, [], None
+        if join_again:
+            self._ask_to_join()
+
+    def _ask_to_join(self) -> None:
+        # every request is a new incarnation: its admission key cannot be confused with an old one
+        self.me = P.Member(self.me.id, uuid.uuid4().hex[:12])
+        self.store.queue_push(P.JOIN_QUEUE, P.encode_join(self.me))
+        self._queued = True
 
     def apply(self, staged: Staged, load: Load, per_bucket: bool = False) -> Received:
         """Hand the staged version to ``load`` (an iterator of (name, tensor), or with ``per_bucket`` one
@@ -341,20 +356,25 @@ class Receiver:
         got.metrics["sync/pause_s"] = time.perf_counter() - t0
         return got
 
-    def _transfer(self, works: list[dist.Work], version: int, e: int, k: int, deadline: float) -> None:
-        """Wait for every chunk (already posted), then acknowledge: this member holds ``version`` whole."""
+    def _transfer(self, works: list[dist.Work], version: int, e: int, k: int,
+                  deadline: float) -> tuple[int, str, int, int]:
+        """Wait for every chunk (already posted), then acknowledge: the allreduce to which this member brings
+        zeros and the sender the push header, so it returns (version, wire digest, epoch, k) of the push."""
         abort = self._abort(e, k)
-        for c, w in enumerate(works):
-            wait_work(w, deadline, f"chunk {c} of version {version}", abort, self.slice_s)
+        what = f"version {version}" if version >= 0 else f"push {k} of epoch {e}"
+        for c in last_first(len(works)):
+            wait_work(works[c], deadline, f"chunk {c} of {what}", abort, self.slice_s)
         # the acknowledgement (see Sender.push). The collective needs every member, so if it fails, another
         # one did (this one's bytes are all here): a victim's report
-        self._works.append(self._pg.allreduce([torch.tensor([version], dtype=torch.int64)]))
+        ack = int64s([0] * P.GROUP_HEADER_INTS)
+        self._works.append(self._pg.allreduce([ack]))
         try:
-            wait_work(self._works[-1], deadline, f"the acknowledgement of version {version}", abort, self.slice_s)
+            wait_work(self._works[-1], deadline, f"the acknowledgement of {what}", abort, self.slice_s)
         except Aborted:
             raise
         except SyncError as exc:
-            raise Aborted(f"the acknowledgement of version {version} aborted: another member failed ({exc})") from exc
+            raise Aborted(f"the acknowledgement of {what} aborted: another member failed ({exc})") from exc
+        return P.read_group_header(ack.tolist())
 
     def _report(self, e: int, k: int, exc: Exception) -> None:
         victim = _caused_by(exc, Aborted)  # load() (vLLM) may wrap what our iterator raised

@@ -42,6 +42,8 @@ from async_rlhf.sync.group import (
     build_pg,
     connect_store,
     host_store,
+    int64s,
+    last_first,
     left,
     post_broadcast,
     retire,
@@ -128,7 +130,6 @@ class Sender:
         self._queued: list[P.Member] = []
         self._works: list[dist.Work] = []
         self._last: tuple[int, int, list[str]] | None = None  # epoch, k and members of the last push
-        self._header = torch.zeros(P.GROUP_HEADER_INTS, dtype=torch.int64)
         self.use_layout(buckets)
         track(self)
         self._joins_seen = threading.Event()
@@ -302,8 +303,10 @@ class Sender:
         e, k = self.epoch, self._k
         self._k += 1
         header = P.Header(version=version, layout=self.layout_digest).encode()
-        self._header.copy_(torch.tensor(P.group_header(version, self.layout_digest, e, k), dtype=torch.int64))
-        announced = False
+        header_ints = P.group_header(version, self.layout_digest, e, k)
+        # the store header is for members that are not pre-posted, which happens only at an epoch's first push
+        # (every member acknowledged the previous push of this epoch, so each one's receives wait for this one)
+        announced = k > 0 and bool(self.chunks)
         failed = P.failed_key(e, k)
 
         def abort() -> str | None:
@@ -314,9 +317,6 @@ class Sender:
         slot_work: dict[int, dist.Work] = {}
         pack_s = 0.0
         try:
-            # the header goes first on the group itself: members that pre-posted their receives (every push
-            # of an epoch but its first) learn the version from it and wait for nothing else
-            works.append(post_broadcast(self._pg, self._header))
             for c, (start, end) in enumerate(self.chunks):
                 pieces = self._pieces[c]
                 srcs = [tensors[p.index] for p in pieces]
@@ -335,20 +335,24 @@ class Sender:
                     slot_work[slot] = works[-1]
                 else:
                     works.append(post_broadcast(self._pg, data))
-                if not announced:  # the store header (for members not pre-posted) overlaps the first chunk
+                if not announced:  # its store round trip overlaps the first chunk
                     self.store.set(P.header_key(e, k), header)
                     announced = True
-            for c, w in enumerate(works):  # works[0] is the group header, then chunk c - 1
-                what = f"chunk {c - 1}" if c else "the header"
-                wait_work(w, deadline, f"broadcast of {what} of version {version}", abort, self.slice_s)
+            if not announced:  # a layout without bytes: no chunk to overlap
+                self.store.set(P.header_key(e, k), header)
+                announced = True
+            for c in last_first(len(works)):
+                wait_work(works[c], deadline, f"broadcast of chunk {c} of version {version}", abort, self.slice_s)
             t_sent = time.perf_counter()
-            # the acknowledgement: one collective on the group, to which every member contributes the version
-            # it received whole (no store round trips); a member that failed reports through the store
-            ack = torch.tensor([-version * len(self._members)], dtype=torch.int64)
+            # the acknowledgement: one collective on the group, in which every member, once it holds every
+            # chunk, brings zeros and the sender the push header (members pre-posted for this push learn from
+            # it which version they hold: no header of its own, no store round trip); a member that failed
+            # reports through the store
+            ack = int64s(header_ints)
             works.append(self._pg.allreduce([ack]))
             wait_work(works[-1], deadline, f"acknowledgements of version {version}", abort, self.slice_s)
-            if int(ack.item()) != 0:
-                raise SyncError(f"members acknowledged another version than {version} (sum {int(ack.item())})")
+            if ack.tolist() != header_ints:
+                raise SyncError(f"the acknowledgement of version {version} came back altered: {ack.tolist()}")
         except SyncError as exc:
             if not announced:
                 self.store.set(P.header_key(e, k), header)

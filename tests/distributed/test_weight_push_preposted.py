@@ -11,7 +11,7 @@ import torch
 
 from async_rlhf.sync.layout import TensorSpec, plan_buckets
 from async_rlhf.sync.receiver import Receiver
-from async_rlhf.sync.sender import Sender
+from async_rlhf.sync.sender import PushError, Sender
 
 pytestmark = pytest.mark.distributed
 
@@ -137,4 +137,30 @@ def test_receives_that_outlive_the_group_timeout_join_again_and_get_the_next_ver
     assert [g.version if not isinstance(g, Exception) else g for g in gen0.got] == [1, 2]
     assert sender.epoch == 1 and sender.members == ["gen0"]
     assert torch.equal(gen0.model["w"], params(2)["w"])
+    sender.close()
+
+
+def test_a_member_that_changes_layout_alone_refuses_the_push_and_the_next_one_names_it():
+    buckets = plan_buckets(SPECS, 64)
+    sender = Sender(buckets, HOST, 0, timeout_s=5.0, slice_s=0.05)
+    gen0 = Member(sender, "gen0", buckets)
+    start([gen0], sender)
+    gen0.receive(1).join(0)
+    sender.push(params(1), 1)
+    wait_until(lambda: len(gen0.got) == 1, "version 1")
+
+    gen0.rx.use_layout(plan_buckets([TensorSpec("w", (16, 4), "float32"), SPECS[1]], 64))  # the sender keeps its own
+    th = gen0.receive(1)  # pre-posted with the epoch's wire: the bytes arrive, the acknowledgement says whose layout
+    sender.push(params(2), 2)
+    th.join(10)
+    assert isinstance(gen0.got[-1], Exception) and "layout mismatch" in str(gen0.got[-1]), gen0.got[-1]
+    assert "w" in gen0.model and torch.equal(gen0.model["w"], params(1)["w"]), "a refused version was loaded"
+
+    # it asked to join again, so the next push rebuilds the group, and there it refuses before any byte
+    wait_until(lambda: sender.joins_noticed, "gen0 to ask to join again")
+    th = gen0.receive(1)
+    with pytest.raises(PushError) as info:
+        sender.push(params(3), 3)
+    th.join(10)
+    assert info.value.errors.keys() == {"gen0"} and "layout mismatch" in info.value.errors["gen0"], str(info.value)
     sender.close()
