@@ -262,11 +262,11 @@ class Bench:
             "push_min_s": min(times["push"]), "raw_min_s": min(times["raw"]), "reps": reps,
             "raw_cpu_s": med(cpu["raw"]), "push_cpu_s": med(cpu["push"]),
             "pack_s": med(m["sync/pack_s"] for m in push_metrics[1:]),
-            "broadcast_s": med(m["sync/broadcast_s"] for m in push_metrics[1:]),
-            "ack_wait_s": med(m["sync/ack_wait_s"] for m in push_metrics[1:]),
+            "sender_transfer_s": med(m["sync/transfer_s"] for m in push_metrics[1:]),
             "wait_header_s": med(max(r["sync/wait_header_s"] for r in rs) for rs in rx_metrics),
             "transfer_s": med(max(r["sync/transfer_s"] for r in rs) for rs in rx_metrics),
             "load_s": med(max(r["sync/load_s"] for r in rs) for rs in rx_metrics),
+            "preposted": statistics.mean(min(r["sync/preposted"] for r in rs) for rs in rx_metrics),
         }
         return row
 
