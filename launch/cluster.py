@@ -17,6 +17,7 @@ import argparse
 import json
 import logging
 import sys
+import traceback
 from pathlib import Path
 
 
@@ -151,13 +152,18 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run(cfg, address=args.address, resume=args.checkpoint)
     except Exception as exc:  # a role failed mid-run: the job has stopped its actors; say how to go on
-        logging.getLogger("launch").exception("the run failed")
         from async_rlhf.checkpoint import list_checkpoints
+        from async_rlhf.runner import LearnerFailure
 
+        trace = Path(cfg.run.dir) / "error.log"  # the whole traceback, for whoever debugs it
+        trace.parent.mkdir(parents=True, exist_ok=True)
+        trace.write_text(traceback.format_exc())
+        if not isinstance(exc, LearnerFailure):  # a learner's death is explained by the line below
+            logging.getLogger("launch").exception("the run failed")
         done = list_checkpoints(cfg.run.dir)
         hint = f"resume with --resume {done[-1]}" if done else "no checkpoint was written (run.checkpoint_every)"
         print(f"error: the run stopped: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}; "
-              f"{hint}", file=sys.stderr)
+              f"{hint} (traceback in {trace})", file=sys.stderr)
         return 1
     return 0
 

@@ -36,9 +36,10 @@ Join, rebuild, push, ack (k counts push headers within an epoch; every wait has 
                                                       slices look for e/hdr/k = {"next": e'} (the sender
                                                       rebuilt instead of pushing)
       chunks 0..C-1 =================================> into the buffer (on a thread: the engine generates)
-      ack: allreduce(H = [v, digest, e, k]) <========> allreduce(zeros): this member holds every chunk; the
-      result H by the deadline: every member holds v     result tells it which version (k > 0) and which
-                                                         layout: a foreign one is refused before loading
+      ack: allreduce(v) <============================> allreduce(0): this member holds every chunk; the
+      result v by the deadline: every member holds v     result tells it which version (k > 0; the layout is
+                                                         the epoch's: one changed here alone is refused
+                                                         before loading)
                                                       (own failure instead: set(e'/ack/k/gen1, "error:
                                                        ..."), then add(e'/failed/k); no allreduce)
                                                       between two engine steps: load v, then
@@ -178,22 +179,6 @@ class Header:
         if isinstance(data, dict) and set(data) == {"next"} and isinstance(data["next"], int):
             return Header(next_epoch=data["next"])
         raise ValueError(f"malformed push header: {data!r}")
-
-
-GROUP_HEADER_INTS = 4
-"""The push header the sender brings to the acknowledgement's allreduce: version, wire digest, epoch, k."""
-
-
-def group_header(version: int, digest: str, epoch: int, k: int) -> list[int]:
-    """The int64s of the push header on the group (the 64-bit hex digest of the wire as a signed integer)."""
-    value = int(digest, 16)
-    return [version, value - (1 << 64) if value >= 1 << 63 else value, epoch, k]
-
-
-def read_group_header(ints: list[int]) -> tuple[int, str, int, int]:
-    """(version, digest, epoch, k) from :func:`group_header`'s integers."""
-    version, value, epoch, k = ints
-    return version, f"{value & ((1 << 64) - 1):016x}", epoch, k
 
 
 def merge_members(current: list[Member], dropped: set[str], joiners: list[Member]) -> list[Member]:

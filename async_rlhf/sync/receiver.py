@@ -112,11 +112,11 @@ class Receiver:
         self._pg: dist.ProcessGroup | None = None
         self._works: list[dist.Work] = []
         self._queued = False
-        self._expect: tuple[int, list[tuple[int, int]], torch.Tensor] | None = None
-        """(epoch, chunks, buffer) of the last push received whole: the next push of that epoch has the same
-        wire (the sender opens a new epoch to change it) and no store header, so its receives are posted at
-        once (the fast path), into that buffer even if this member changed its layout since (its header's
-        digest then refuses it)."""
+        self._expect: tuple[int, list[tuple[int, int]], torch.Tensor, str] | None = None
+        """(epoch, chunks, buffer, wire digest) of the last push received whole: the next push of that epoch
+        has the same wire (the sender opens a new epoch to change it) and no store header, so its receives are
+        posted at once (the fast path), into that buffer even if this member changed its layout since (it then
+        refuses that push, once acknowledged)."""
         self._posted: tuple[int, int, list[dist.Work]] | None = None
         """Receives posted for push k of epoch e (they stay posted across a fetch that timed out)."""
         self.use_layout(buckets)
@@ -205,7 +205,7 @@ class Receiver:
             e, k = self.epoch, self._k
             expect = self._expect
             if self._posted is None and self._pg is not None and expect and expect[0] == e and expect[1]:
-                self._posted = (e, k, self._post(*expect[1:]))  # the fast path: no store header
+                self._posted = (e, k, self._post(expect[1], expect[2]))  # the fast path: no store header
             header = self._next_header(e, k, deadline)
             if header is REJOINED:
                 continue
@@ -229,13 +229,13 @@ class Receiver:
             works = self._posted[2]
             self._posted = None
             got = self._transfer(works, version, e, k, deadline)
-            if (got[2], got[3]) != (e, k) or (header is not None and got[0] != version):
-                raise SyncError(f"the acknowledgement carries push {got[3]} of epoch {got[2]} (version {got[0]}), "
-                                f"this member received push {k} of epoch {e} (version {version})")
-            version = got[0]
-            if got[1] != self.layout_digest:  # pre-posted with the epoch's wire, but this member changed layout
+            if header is not None and got != version:
+                raise SyncError(f"the acknowledgement carries version {got}, the store header said {version}")
+            version = got
+            wire = header.layout if header is not None else expect[3]
+            if wire != self.layout_digest:  # pre-posted with the epoch's wire, but this member changed layout
                 acked_foreign = True
-                raise SyncError(f"layout mismatch: the sender pushes layout {got[1]}, this member holds "
+                raise SyncError(f"layout mismatch: the sender pushes layout {wire}, this member holds "
                                 f"{self.layout_digest} (call use_layout on both sides at the same boundary)")
         except Exception as exc:
             self._expect = None
@@ -243,7 +243,7 @@ class Receiver:
             if acked_foreign:  # the sender thinks it delivered: join again, so that its next push rebuilds the
                 self._leave(join_again=True)  # group and this member refuses that push before any byte
             raise ReceiveError(f"member {self.me.id} failed to receive version {version}: {exc}") from exc
-        self._expect = (e, self.chunks, self.arena())
+        self._expect = (e, self.chunks, self.arena(), self.layout_digest)
         return Staged(version, e, k, {"sync/wait_header_s": t_header - t0, "sync/preposted": float(preposted),
                                       "sync/transfer_s": time.perf_counter() - t_header})
 
@@ -356,17 +356,16 @@ class Receiver:
         got.metrics["sync/pause_s"] = time.perf_counter() - t0
         return got
 
-    def _transfer(self, works: list[dist.Work], version: int, e: int, k: int,
-                  deadline: float) -> tuple[int, str, int, int]:
+    def _transfer(self, works: list[dist.Work], version: int, e: int, k: int, deadline: float) -> int:
         """Wait for every chunk (already posted), then acknowledge: the allreduce to which this member brings
-        zeros and the sender the push header, so it returns (version, wire digest, epoch, k) of the push."""
+        0 and the sender the version, so it returns the version of the push."""
         abort = self._abort(e, k)
         what = f"version {version}" if version >= 0 else f"push {k} of epoch {e}"
         for c in last_first(len(works)):
             wait_work(works[c], deadline, f"chunk {c} of {what}", abort, self.slice_s)
         # the acknowledgement (see Sender.push). The collective needs every member, so if it fails, another
         # one did (this one's bytes are all here): a victim's report
-        ack = int64s([0] * P.GROUP_HEADER_INTS)
+        ack = int64s([0])
         self._works.append(self._pg.allreduce([ack]))
         try:
             wait_work(self._works[-1], deadline, f"the acknowledgement of {what}", abort, self.slice_s)
@@ -374,7 +373,7 @@ class Receiver:
             raise
         except SyncError as exc:
             raise Aborted(f"the acknowledgement of {what} aborted: another member failed ({exc})") from exc
-        return P.read_group_header(ack.tolist())
+        return int(ack[0])
 
     def _report(self, e: int, k: int, exc: Exception) -> None:
         victim = _caused_by(exc, Aborted)  # load() (vLLM) may wrap what our iterator raised

@@ -89,6 +89,9 @@ def test_the_job_stops_cleanly_naming_the_failure_and_the_checkpoint(learner_kil
     errors = [line for line in out.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1, out[-3000:]
     assert "learner rank 0 failed" in errors[0] and f"--resume {learner_killed['ckpt']}" in errors[0], errors[0]
+    trace = Path(learner_killed["run_dir"]) / "error.log"
+    assert f"traceback in {trace}" in errors[0] and "LearnerFailure" in trace.read_text(), errors[0]
+    assert "the run failed" not in out, "the launcher printed a traceback above the explained failure"
     assert f"a learner failed: the job stops; resume it with python launch/cluster.py --resume " \
            f"{learner_killed['ckpt']}" in out
     assert not learner_killed["leftover"], f"processes of the stopped job survived: {learner_killed['leftover']}"
