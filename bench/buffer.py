@@ -8,7 +8,10 @@ For each payload (1 KB, 16 KB, 256 KB of token data per group) it measures, for 
     memory  producer put -> service (memory store) -> consumer get+ack     raw pyzmq PUSH -> PULL
     redis   producer put -> service (Redis store)  -> consumer get+ack     raw XADD -> XREADGROUP + XACK
 
-then the same with 16 producers and 4 consumers (rows ``memory-16p4c`` and ``redis-16p4c``). Every
+then the same with 16 producers and 4 consumers (rows ``memory-16p4c`` and ``redis-16p4c``). Memory rows also
+carry a raw *relay* (producers PUSH -> one process that only forwards -> consumers PULL; ``relay_msgs_per_s``,
+``relay_ratio`` = buffer / relay, ``relay_cpu_us_per_msg``): the same processes and hops as the buffer with
+none of its work, i.e. what any broker between processes costs on this machine. Every
 producer, consumer and the service run in their own process (no shared GIL). ``msgs_per_s`` counts groups
 consumed; ``p50_ms``/``p99_ms`` are the round-trip latencies of the producers' put requests. The Redis
 server is a private one on a free port (append-only, ``--fsync``); nothing touches another Redis.
@@ -120,6 +123,59 @@ def raw_zmq_consumer(address: str, t0: float, t1: float, out: Any) -> None:
     sock = zmq.Context().socket(zmq.PULL)
     sock.setsockopt(zmq.LINGER, 0)
     sock.bind(address)
+    n = 0
+    cpu = CpuWindow(t0)
+    while time.time() < t1:
+        cpu.tick()
+        if sock.poll(20):
+            while True:
+                try:
+                    sock.recv(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                if time.time() >= t0:
+                    n += 1
+    sock.close(0)
+    out.put(("consumers", n, [], cpu.stop()))
+
+
+def raw_zmq_relay(pull_address: str, push_address: str, t0: float, t1: float, out: Any) -> None:
+    """A broker that does nothing but forward: PULL from producers, PUSH to consumers (no id, no check, no
+    store, no acknowledgement). The floor of any broker between processes on this machine."""
+    import zmq
+
+    ctx = zmq.Context()
+    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    for sock, address in ((pull, pull_address), (push, push_address)):
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.bind(address)
+    cpu = CpuWindow(t0)
+    while time.time() < t1:
+        cpu.tick()
+        if pull.poll(20):
+            for _ in range(256):
+                try:
+                    frame = pull.recv(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                while time.time() < t1:  # consumers stop at t1: never block past it
+                    try:
+                        push.send(frame, zmq.NOBLOCK, copy=False)
+                        break
+                    except zmq.Again:
+                        push.poll(10, zmq.POLLOUT)
+    out.put(("service", 0, [], cpu.stop()))
+    pull.close(0)
+    push.close(0)
+
+
+def raw_zmq_consumer_of(address: str, t0: float, t1: float, out: Any) -> None:
+    """:func:`raw_zmq_consumer`, connecting to a bound PUSH (the relay's) instead of binding."""
+    import zmq
+
+    sock = zmq.Context().socket(zmq.PULL)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
     n = 0
     cpu = CpuWindow(t0)
     while time.time() < t1:
@@ -255,7 +311,7 @@ def run_procs(targets: list[tuple[Any, tuple]], seconds: float) -> tuple[int, li
     procs = [ctx.Process(target=fn, args=(*args, out)) for fn, args in targets]
     for p in procs:
         p.start()
-    consumed, lat, cpu = 0, [], {"producers": 0.0, "consumers": 0.0}
+    consumed, lat, cpu = 0, [], {"producers": 0.0, "consumers": 0.0, "service": 0.0}
     for _ in targets:
         role, n, samples, spent = out.get(timeout=seconds + 60)
         consumed += n
@@ -289,6 +345,18 @@ def measure_raw_zmq(size: int, producers: int, consumers: int, seconds: float) -
     targets: list[tuple[Any, tuple]] = [(raw_zmq_consumer, (f"tcp://127.0.0.1:{p}", t0, t1)) for p in ports]
     targets += [(raw_zmq_producer, (f"tcp://127.0.0.1:{ports[i % consumers]}", size, t0, t1))
                 for i in range(producers)]
+    consumed, _, cpu = run_procs(targets, seconds)
+    return consumed / seconds, per_msg_us(cpu, consumed)
+
+
+def measure_raw_relay(size: int, producers: int, consumers: int, seconds: float) -> tuple[float, dict[str, float]]:
+    """Producers -> one forwarding process -> consumers, all raw pyzmq (see :func:`raw_zmq_relay`)."""
+    inbound, outbound = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
+    t0 = time.time() + WARMUP_S
+    t1 = t0 + seconds
+    targets: list[tuple[Any, tuple]] = [(raw_zmq_relay, (inbound, outbound, t0, t1))]
+    targets += [(raw_zmq_consumer_of, (outbound, t0, t1)) for _ in range(consumers)]
+    targets += [(raw_zmq_producer, (inbound, size, t0, t1)) for _ in range(producers)]
     consumed, _, cpu = run_procs(targets, seconds)
     return consumed / seconds, per_msg_us(cpu, consumed)
 
@@ -361,11 +429,13 @@ def main() -> int:
             for size, producers, consumers in cases:
                 suffix = "" if producers == 1 else f"-{producers}p{consumers}c"
                 for store in ("memory", "redis"):
-                    raws, runs = [], []
+                    raws, runs, relays = [], [], []
                     for _ in range(repeats):  # alternate, so both see the same swings of the machine's load
                         raws.append(measure_raw_zmq(size, producers, consumers, seconds) if store == "memory"
                                     else measure_raw_redis(server.url, size, producers, consumers, seconds))
                         runs.append(measure_buffer(store, server.url, size, producers, consumers, seconds))
+                        if store == "memory":
+                            relays.append(measure_raw_relay(size, producers, consumers, seconds))
                     raw = float(np.median([r[0] for r in raws]))
                     rate, p50, p99 = (float(np.median([r[i] for r in runs])) for i in range(3))
                     rows.append({"store": store + suffix, "payload_bytes": size, "msgs_per_s": round(rate, 1),
@@ -373,6 +443,11 @@ def main() -> int:
                                  "p50_ms": round(p50, 3), "p99_ms": round(p99, 3), "repeats": repeats,
                                  "cpu_us_per_msg": median_cpu([r[3] for r in runs]),
                                  "raw_cpu_us_per_msg": median_cpu([r[1] for r in raws])})
+                    if relays:  # what a broker costs before it does anything: same producers and consumers
+                        relay = float(np.median([r[0] for r in relays]))
+                        rows[-1].update({"relay_msgs_per_s": round(relay, 1),
+                                         "relay_ratio": round(rate / relay, 3) if relay else 0.0,
+                                         "relay_cpu_us_per_msg": median_cpu([r[1] for r in relays])})
                     print_row(rows[-1], header=len(rows) == 1)
         finally:
             server.stop()
@@ -394,6 +469,11 @@ def print_row(row: dict[str, Any], header: bool) -> None:
           f"{row['ratio']:>8.2f}{row['p50_ms']:>12.3f}{row['p99_ms']:>12.3f}   "
           f"{cpu['total']:.1f} ({cpu['producers']:.1f}+{cpu['service']:.1f}+{cpu['consumers']:.1f}) | "
           f"{raw['total']:.1f} ({raw['producers']:.1f}+{raw['consumers']:.1f})", flush=True)
+    if "relay_msgs_per_s" in row:
+        relay = row["relay_cpu_us_per_msg"]
+        print(f"{'  raw relay':<14}{'':>9}{row['relay_msgs_per_s']:>11.0f}{'':>12}{row['relay_ratio']:>8.2f}"
+              f"{'':>24}   {relay['total']:.1f} ({relay['producers']:.1f}+{relay['service']:.1f}+"
+              f"{relay['consumers']:.1f})  <- the buffer's rate against a forwarding-only broker", flush=True)
 
 
 if __name__ == "__main__":
