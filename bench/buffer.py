@@ -117,12 +117,13 @@ def raw_zmq_producer(address: str, size: int, t0: float, t1: float, out: Any) ->
     sock.close(0)
 
 
-def raw_zmq_consumer(address: str, t0: float, t1: float, out: Any) -> None:
+def raw_zmq_consumer(address: str, t0: float, t1: float, out: Any, bind: bool = True) -> None:
+    """Counts messages received; binds ``address`` (producers connect), or connects to a bound PUSH (a relay's)."""
     import zmq
 
     sock = zmq.Context().socket(zmq.PULL)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.bind(address)
+    sock.bind(address) if bind else sock.connect(address)
     n = 0
     cpu = CpuWindow(t0)
     while time.time() < t1:
@@ -167,29 +168,6 @@ def raw_zmq_relay(pull_address: str, push_address: str, t0: float, t1: float, ou
     out.put(("service", 0, [], cpu.stop()))
     pull.close(0)
     push.close(0)
-
-
-def raw_zmq_consumer_of(address: str, t0: float, t1: float, out: Any) -> None:
-    """:func:`raw_zmq_consumer`, connecting to a bound PUSH (the relay's) instead of binding."""
-    import zmq
-
-    sock = zmq.Context().socket(zmq.PULL)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(address)
-    n = 0
-    cpu = CpuWindow(t0)
-    while time.time() < t1:
-        cpu.tick()
-        if sock.poll(20):
-            while True:
-                try:
-                    sock.recv(zmq.NOBLOCK, copy=False)
-                except zmq.Again:
-                    break
-                if time.time() >= t0:
-                    n += 1
-    sock.close(0)
-    out.put(("consumers", n, [], cpu.stop()))
 
 
 def raw_redis_producer(url: str, stream: str, size: int, t0: float, t1: float, out: Any) -> None:
@@ -304,11 +282,12 @@ def start_service(store: str, redis_url: str, prefix: str) -> tuple[subprocess.P
     return proc, line.split()[1]
 
 
-def run_procs(targets: list[tuple[Any, tuple]], seconds: float) -> tuple[int, list[float], dict[str, float]]:
-    """Run every target in its own process; (groups consumed, put latencies, CPU seconds by role)."""
+def run_procs(targets: list[tuple], seconds: float) -> tuple[int, list[float], dict[str, float]]:
+    """Run every target (fn, args[, kwargs]) in its own process; (groups consumed, put latencies, CPU seconds
+    by role)."""
     ctx = mp.get_context("fork")
     out = ctx.Queue()
-    procs = [ctx.Process(target=fn, args=(*args, out)) for fn, args in targets]
+    procs = [ctx.Process(target=t[0], args=(*t[1], out), kwargs=t[2] if len(t) > 2 else {}) for t in targets]
     for p in procs:
         p.start()
     consumed, lat, cpu = 0, [], {"producers": 0.0, "consumers": 0.0, "service": 0.0}
@@ -354,8 +333,8 @@ def measure_raw_relay(size: int, producers: int, consumers: int, seconds: float)
     inbound, outbound = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
     t0 = time.time() + WARMUP_S
     t1 = t0 + seconds
-    targets: list[tuple[Any, tuple]] = [(raw_zmq_relay, (inbound, outbound, t0, t1))]
-    targets += [(raw_zmq_consumer_of, (outbound, t0, t1)) for _ in range(consumers)]
+    targets: list[tuple] = [(raw_zmq_relay, (inbound, outbound, t0, t1))]
+    targets += [(raw_zmq_consumer, (outbound, t0, t1), {"bind": False}) for _ in range(consumers)]
     targets += [(raw_zmq_producer, (inbound, size, t0, t1)) for _ in range(producers)]
     consumed, _, cpu = run_procs(targets, seconds)
     return consumed / seconds, per_msg_us(cpu, consumed)
