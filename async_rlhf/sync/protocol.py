@@ -65,6 +65,10 @@ from dataclasses import dataclass
 from typing import Any
 
 JOIN_QUEUE = "joins"
+PREPOSTS = ("gloo",)
+"""Backends whose members post their receives before a push starts (the fast path). Not NCCL: a posted NCCL
+collective is a kernel holding GPU resources until its peers come, i.e. for the whole time between pushes;
+there every push has a store header and members post once it arrives."""
 ABORTED = "aborted"
 """Prefix of a receiver's report when it gave up because the sender aborted (a victim, not a culprit)."""
 

@@ -204,7 +204,8 @@ class Receiver:
         while True:
             e, k = self.epoch, self._k
             expect = self._expect
-            if self._posted is None and self._pg is not None and expect and expect[0] == e and expect[1]:
+            if (self._posted is None and self._pg is not None and expect and expect[0] == e and expect[1]
+                    and self.backend in P.PREPOSTS):
                 self._posted = (e, k, self._post(expect[1], expect[2]))  # the fast path: no store header
             header = self._next_header(e, k, deadline)
             if header is REJOINED:

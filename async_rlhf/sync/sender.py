@@ -305,7 +305,8 @@ class Sender:
         header = P.Header(version=version, layout=self.layout_digest).encode()
         # the store header is for members that are not pre-posted, which happens only at an epoch's first push
         # (every member acknowledged the previous push of this epoch, so each one's receives wait for this one)
-        announced = k > 0 and bool(self.chunks)
+        # and under NCCL (see protocol.PREPOSTS)
+        announced = k > 0 and bool(self.chunks) and self.backend in P.PREPOSTS
         failed = P.failed_key(e, k)
 
         def abort() -> str | None:

@@ -164,3 +164,23 @@ def test_a_member_that_changes_layout_alone_refuses_the_push_and_the_next_one_na
     th.join(10)
     assert info.value.errors.keys() == {"gen0"} and "layout mismatch" in info.value.errors["gen0"], str(info.value)
     sender.close()
+
+
+def test_without_preposting_every_push_goes_through_the_store_header(monkeypatch):
+    # what an NCCL group does (a posted NCCL collective would hold the GPU between pushes): same results
+    from async_rlhf.sync import protocol
+
+    monkeypatch.setattr(protocol, "PREPOSTS", ())
+    buckets = plan_buckets(SPECS, 64)
+    sender = Sender(buckets, HOST, 0, timeout_s=10.0)
+    gen0 = Member(sender, "gen0", buckets)
+    start([gen0], sender)
+    th = gen0.receive(3)
+    for v in (1, 2, 3):
+        sender.push(params(v), v)
+        wait_until(lambda v=v: len(gen0.got) == v, f"version {v} at gen0")
+    th.join(10)
+    assert [g.version for g in gen0.got] == [1, 2, 3], gen0.got
+    assert [g.metrics["sync/preposted"] for g in gen0.got] == [0.0, 0.0, 0.0]
+    assert torch.equal(gen0.model["w"], params(3)["w"]) and sender.epoch == 0
+    sender.close()
