@@ -243,7 +243,8 @@ class Receiver:
             self._report(e, k, exc)
             if acked_foreign:  # the sender thinks it delivered: join again, so that its next push rebuilds the
                 self._leave(join_again=True)  # group and this member refuses that push before any byte
-            raise ReceiveError(f"member {self.me.id} failed to receive version {version}: {exc}") from exc
+            what = f"version {version}" if version >= 0 else f"push {k} of epoch {e}"  # pre-posted: before the ack
+            raise ReceiveError(f"member {self.me.id} failed to receive {what}: {exc}") from exc
         self._expect = (e, self.chunks, self.arena(), self.layout_digest)
         return Staged(version, e, k, {"sync/wait_header_s": t_header - t0, "sync/preposted": float(preposted),
                                       "sync/transfer_s": time.perf_counter() - t_header})
