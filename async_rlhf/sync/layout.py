@@ -17,6 +17,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+ALIGN = 64
+"""Byte alignment of every bucket inside a shared buffer (a typed view needs its offset aligned)."""
+
+
+def aligned(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
 DTYPE_BYTES = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "uint8": 1}
 
 
@@ -64,6 +72,18 @@ def auto_chunk_bytes(total_bytes: int, target_chunks: int = 4, lo: int = 2 << 20
     tensors: ``target_chunks`` of them (packing chunk c + 1 overlaps the transfer of chunk c), at least
     ``lo`` bytes each (per-op overhead below), at most ``hi`` (the sender's packing slots above)."""
     return int(min(max(-(-total_bytes // target_chunks), lo), hi))
+
+
+def chunk_ranges(total: int, chunk_bytes: int) -> list[tuple[int, int]]:
+    """The arena's bytes ``[0, total)`` cut into ceil(total / chunk_bytes) near-equal ranges whose
+    boundaries are multiples of ALIGN (so they fall between elements of every dtype)."""
+    if chunk_bytes <= 0:
+        raise ValueError("chunk_bytes must be positive")
+    if total <= 0:
+        return []
+    n = -(-total // chunk_bytes)
+    size = aligned(-(-total // n))
+    return [(s, min(s + size, total)) for s in range(0, total, size)]
 
 
 def plan_buckets(specs: Iterable[TensorSpec], bucket_bytes: int) -> list[Bucket]:

@@ -64,6 +64,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from async_rlhf.sync.layout import chunk_ranges
+
 JOIN_QUEUE = "joins"
 PREPOSTS = ("gloo",)
 """Backends whose members post their receives before a push starts (the fast path). Not NCCL: a posted NCCL
@@ -158,31 +160,45 @@ def decode_join(raw: bytes | str) -> Member:
     return Member(data["id"], data["nonce"])
 
 
+MAX_CHUNKS = 1 << 16
+"""At most this many broadcasts per push (a header cutting finer is malformed: every broadcast is a few
+hundred microseconds of overhead, and the receiver allocates per chunk)."""
+
+
 @dataclass(frozen=True)
 class Header:
     """What push k of an epoch is: a version on the wire (with the sender's layout digest, so that a
-    receiver holding another layout refuses it instead of receiving garbage), or a move to the next epoch."""
+    receiver holding another layout refuses it instead of receiving garbage, and the size of one broadcast:
+    how the arena is cut), or a move to the next epoch."""
 
     version: int | None = None
     next_epoch: int | None = None
     layout: str = ""
+    chunk: int = 0
 
     def encode(self) -> str:
         if (self.version is None) == (self.next_epoch is None):
             raise ValueError("a header carries exactly one of version and next_epoch")
         if self.version is not None:
-            return encode({"version": self.version, "layout": self.layout})
+            return encode({"version": self.version, "layout": self.layout, "chunk": self.chunk})
         return encode({"next": self.next_epoch})
 
     @staticmethod
     def decode(raw: bytes | str) -> Header:
         data = decode(raw)
-        if (isinstance(data, dict) and set(data) == {"version", "layout"} and isinstance(data["version"], int)
-                and isinstance(data["layout"], str)):
-            return Header(version=data["version"], layout=data["layout"])
+        if (isinstance(data, dict) and set(data) == {"version", "layout", "chunk"} and isinstance(data["version"], int)
+                and isinstance(data["layout"], str) and isinstance(data["chunk"], int) and data["chunk"] > 0):
+            return Header(version=data["version"], layout=data["layout"], chunk=data["chunk"])
         if isinstance(data, dict) and set(data) == {"next"} and isinstance(data["next"], int):
             return Header(next_epoch=data["next"])
         raise ValueError(f"malformed push header: {data!r}")
+
+    def chunks(self, total: int) -> list[tuple[int, int]]:
+        """The byte ranges of the broadcasts of this push, for an arena of ``total`` bytes."""
+        if -(-total // self.chunk) > MAX_CHUNKS:
+            raise ValueError(f"push header cuts {total} bytes into chunks of {self.chunk} bytes: more than "
+                             f"{MAX_CHUNKS} broadcasts (a sender with another chunk_bytes?)")
+        return chunk_ranges(total, self.chunk)
 
 
 def merge_members(current: list[Member], dropped: set[str], joiners: list[Member]) -> list[Member]:

@@ -55,8 +55,8 @@ from async_rlhf.sync.group import (
     track,
     wait_work,
 )
-from async_rlhf.sync.layout import Bucket, auto_chunk_bytes
-from async_rlhf.sync.tensors import arena_offsets, chunk_ranges, named_views, wire_digest
+from async_rlhf.sync.layout import Bucket
+from async_rlhf.sync.tensors import arena_offsets, layout_digest, named_views
 
 log = logging.getLogger(__name__)
 
@@ -99,9 +99,7 @@ class Receiver:
     """A generator's end of the push group. Not thread-safe: call from one thread (the engine loop)."""
 
     def __init__(self, buckets: list[Bucket], member_id: str, host: str, port: int, backend: str = "gloo",
-                 timeout_s: float = 120.0, slice_s: float = 0.2, chunk_bytes: int | None = None) -> None:
-        """``chunk_bytes``: the sender's (default :func:`auto_chunk_bytes`, as the sender's default)."""
-        self.chunk_bytes = chunk_bytes
+                 timeout_s: float = 120.0, slice_s: float = 0.2) -> None:
         self.me = P.Member(member_id, "")
         P.decode_join(P.encode_join(self.me))  # validates the id (join() draws the nonce)
         self.backend, self.timeout_s, self.slice_s = backend, timeout_s, slice_s
@@ -135,11 +133,11 @@ class Receiver:
         """Set the bucket layout (the sender's); the buffer is allocated on the next receive. The same layout
         again changes nothing (receives may be posted into the current buffer)."""
         offsets, arena_bytes = arena_offsets(buckets)
-        chunks = chunk_ranges(arena_bytes, self.chunk_bytes or auto_chunk_bytes(arena_bytes))
-        digest = wire_digest(buckets, chunks)
+        digest = layout_digest(buckets)
         if digest == getattr(self, "layout_digest", None):
             return
-        self.buckets, self._offsets, self._arena_bytes, self.chunks = buckets, offsets, arena_bytes, chunks
+        self.buckets, self._offsets, self._arena_bytes = buckets, offsets, arena_bytes
+        self.chunks: list[tuple[int, int]] = []  # the cut of the last push received (the sender's choice)
         self.layout_digest = digest
         self._arena: torch.Tensor | None = None
         self._views: list[list[tuple[str, torch.Tensor]]] = []
@@ -204,9 +202,7 @@ class Receiver:
         while True:
             e, k = self.epoch, self._k
             expect = self._expect
-            if (self._posted is None and self._pg is not None and expect and expect[0] == e and expect[1]
-                    and self.backend in P.PREPOSTS):
-                self._posted = (e, k, self._post(expect[1], expect[2]))  # the fast path: no store header
+            self.prepost()  # the fast path: no store header
             header = self._next_header(e, k, deadline)
             if header is REJOINED:
                 continue
@@ -226,6 +222,7 @@ class Receiver:
                 if header.layout != self.layout_digest:
                     raise SyncError(f"layout mismatch: the sender pushes layout {header.layout}, this member "
                                     f"holds {self.layout_digest} (call use_layout on both sides at the same boundary)")
+                self.chunks = header.chunks(self._arena_bytes)
                 self._posted = (e, k, self._post(self.chunks, self.arena()))
             works = self._posted[2]
             self._posted = None
@@ -245,9 +242,24 @@ class Receiver:
                 self._leave(join_again=True)  # group and this member refuses that push before any byte
             what = f"version {version}" if version >= 0 else f"push {k} of epoch {e}"  # pre-posted: before the ack
             raise ReceiveError(f"member {self.me.id} failed to receive {what}: {exc}") from exc
+        if header is None:
+            self.chunks = expect[1]
         self._expect = (e, self.chunks, self.arena(), self.layout_digest)
         return Staged(version, e, k, {"sync/wait_header_s": t_header - t0, "sync/preposted": float(preposted),
                                       "sync/transfer_s": time.perf_counter() - t_header})
+
+    def prepost(self) -> bool:
+        """Post the receives of this epoch's next push now, if that is possible (gloo, and this member received
+        the epoch's last push); True if they are posted. :meth:`fetch` does it first thing; calling it earlier
+        (after :meth:`apply`, say) means the sender never waits for this member to post. Receives left posted
+        for longer than the group's timeout fail; the next fetch then joins again (see the protocol)."""
+        if self._posted is None:
+            expect = self._expect
+            if (self._pg is None or not expect or expect[0] != self.epoch or not expect[1]
+                    or self.backend not in P.PREPOSTS):
+                return False
+            self._posted = (self.epoch, self._k, self._post(expect[1], expect[2]))
+        return True
 
     def _post(self, chunks: list[tuple[int, int]], arena: torch.Tensor) -> list[dist.Work]:
         """Post the receives of every chunk of one push into the buffer, on the group."""

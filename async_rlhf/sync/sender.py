@@ -27,10 +27,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import operator
 import threading
 import time
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -51,23 +52,31 @@ from async_rlhf.sync.group import (
     track,
     wait_work,
 )
-from async_rlhf.sync.layout import Bucket, auto_chunk_bytes
+from async_rlhf.sync.layout import Bucket, auto_chunk_bytes, chunk_ranges
 from async_rlhf.sync.tensors import (
     TORCH_DTYPES,
     arena_offsets,
     chunk_pieces,
-    chunk_ranges,
     dtype_name,
     in_place_chunk,
-    wire_digest,
+    layout_digest,
 )
 
 __all__ = ["PushError", "Sender", "TORCH_DTYPES", "dtype_name"]
 
 log = logging.getLogger(__name__)
 
+_SHAPE_DTYPE = operator.attrgetter("shape", "dtype")
 JOIN_POLL_S = 0.02
 """How often the sender looks for join requests (on its own thread and store connection)."""
+
+
+def _picker(indices: list[int]) -> Callable[[list[torch.Tensor]], list[torch.Tensor]]:
+    """A function returning the list of ``tensors[i] for i in indices``, by one C-level call."""
+    if len(indices) < 2:  # itemgetter returns a bare item for one index and takes none for zero
+        return lambda tensors: [tensors[i] for i in indices]
+    get = operator.itemgetter(*indices)
+    return lambda tensors: list(get(tensors))
 
 
 class PushError(SyncError):
@@ -112,8 +121,9 @@ class Sender:
     def __init__(self, buckets: list[Bucket], host: str = "127.0.0.1", port: int = 0, backend: str = "gloo",
                  timeout_s: float = 120.0, pipeline_depth: int = 2, slice_s: float = 0.2,
                  chunk_bytes: int | None = None) -> None:
-        """``chunk_bytes``: size of one broadcast (default :func:`auto_chunk_bytes`); receivers must use the
-        same (the push header's digest covers it, a receiver cutting otherwise refuses the push)."""
+        """``chunk_bytes``: size of one broadcast. By default a push whose bytes all lie in parameter memory
+        (parameters kept flat) is one broadcast, as a raw one; otherwise :func:`auto_chunk_bytes` (packing
+        one chunk overlaps the transfer of the one before). Members learn the cut from the push header."""
         if pipeline_depth < 1:
             raise ValueError("pipeline_depth must be at least 1")
         self.backend, self.timeout_s, self.depth, self.slice_s = backend, timeout_s, pipeline_depth, slice_s
@@ -233,19 +243,34 @@ class Sender:
     def use_layout(self, buckets: list[Bucket]) -> None:
         """Set the bucket layout (receivers must use the same); reallocates the packing slots lazily.
 
-        A change of what goes on the wire opens a new epoch at the next push: members pre-post their receives
-        for the layout of the epoch's last push, so the wire must not change under them within an epoch."""
+        A change of layout opens a new epoch at the next push: members pre-post their receives for the wire of
+        the epoch's last push, so the wire must not change under them within an epoch."""
         _, total = arena_offsets(buckets)
-        chunks = chunk_ranges(total, self.chunk_bytes or auto_chunk_bytes(total))
-        digest = wire_digest(buckets, chunks)
+        digest = layout_digest(buckets)
         if self._pg is not None and digest != getattr(self, "layout_digest", digest):
             self._broken = True
-        self.chunks = chunks
         self.buckets = buckets
         self.layout_digest = digest
-        self._pieces = chunk_pieces(buckets, self.chunks)
+        self._total = total
+        self._whole = chunk_pieces(buckets, [(0, total)])[0] if total else []
         self._names = [e.name for b in buckets for e in b.entries]
         self._shapes = [(torch.Size(e.shape), TORCH_DTYPES[b.dtype]) for b in buckets for e in b.entries]
+        self._nbytes = float(sum(b.nbytes for b in buckets))
+        self._flat: tuple[list[int], list[torch.Tensor | None]] | None = None
+        self._chunk = 0
+        self._cut(self.chunk_bytes or auto_chunk_bytes(total))
+
+    def _cut(self, chunk_bytes: int) -> None:
+        """Cut the arena into broadcasts of ``chunk_bytes`` (the push header tells members how it is cut)."""
+        if chunk_bytes == self._chunk:
+            return
+        self._chunk = chunk_bytes
+        self.chunks = chunk_ranges(self._total, chunk_bytes)
+        self._pieces = chunk_pieces(self.buckets, self.chunks)
+        # per chunk, its tensors fetched by one C-level call, and the pieces that are parts of a tensor (at most
+        # the first and the last): the packing loop then does nothing per whole tensor in Python
+        self._pick = [_picker([p.index for p in pieces]) for pieces in self._pieces]
+        self._parts = [[(i, p) for i, p in enumerate(pieces) if not p.whole] for pieces in self._pieces]
         self._slot_bytes = max((end - start for start, end in self.chunks), default=0)
         self._slots: list[torch.Tensor] = []
         self._dst: dict[int, list[torch.Tensor]] = {}
@@ -268,14 +293,42 @@ class Sender:
             self._dst[c] = views
         return self._dst[c]
 
-    def _tensors(self, params: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
-        """Every tensor of the layout in order, checked against it (a cheap check: ~1 us per tensor)."""
-        out = [params[name] for name in self._names]
-        for name, (shape, dtype), t in zip(self._names, self._shapes, out):
-            if t.shape != shape or t.dtype != dtype:
-                raise ValueError(f"parameter {name} is {tuple(t.shape)} {t.dtype}, the layout says {tuple(shape)} "
-                                 f"{dtype}: rebuild the layout")
-        return out
+    def _sources(self, params: Mapping[str, torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+        """Every tensor of the layout in order, checked against it, and per chunk its bytes where they lie in
+        parameter memory (sent as they are) or None (packed).
+
+        Per-tensor Python is what separates a push of many small tensors from one of a few large ones, so the
+        checks are C-level loops, and where every chunk lies in parameter memory (parameters kept flat) the
+        chunks' views are kept and reused while the tensors stay where they were (their addresses are compared;
+        the views keep that storage alive, so an address cannot be reused by another one meanwhile)."""
+        try:
+            tensors = list(map(params.__getitem__, self._names))
+        except KeyError as exc:
+            raise ValueError(f"parameter {exc} of the push layout is missing: rebuild the layout") from None
+        if list(map(_SHAPE_DTYPE, tensors)) != self._shapes:
+            for name, (shape, dtype), t in zip(self._names, self._shapes, tensors):
+                if t.shape != shape or t.dtype != dtype:
+                    raise ValueError(f"parameter {name} is {tuple(t.shape)} {t.dtype}, the layout says "
+                                     f"{tuple(shape)} {dtype}: rebuild the layout")
+        ptrs = list(map(torch.Tensor.data_ptr, tensors))
+        if self._flat is not None and self._flat[0] == ptrs and all(map(torch.Tensor.is_contiguous, tensors)):
+            # (contiguity too: a tensor re-pointed at a transposed view of itself keeps its address)
+            return tensors, self._flat[1]
+        before = self._chunk
+        whole = None
+        if self.chunk_bytes is None and self._whole:  # the whole arena where it lies: one broadcast, as raw
+            whole = in_place_chunk(self._whole, [tensors[p.index] for p in self._whole], self._total)
+        if whole is not None:
+            self._cut(self._total)
+            sources: list[torch.Tensor | None] = [whole]
+        else:  # pieces to pack: a few chunks, so that packing one overlaps the transfer of the one before
+            self._cut(self.chunk_bytes or auto_chunk_bytes(self._total))
+            sources = [in_place_chunk(pieces, pick(tensors), end - start)
+                       for pieces, pick, (start, end) in zip(self._pieces, self._pick, self.chunks)]
+        if self._chunk != before and self._k > 0:  # members pre-posted for the old cut: a new epoch
+            self._broken = True
+        self._flat = (ptrs, sources) if all(src is not None for src in sources) else None
+        return tensors, sources
 
     @torch.no_grad()
     def push(self, params: Mapping[str, torch.Tensor], version: int) -> dict[str, float]:
@@ -287,30 +340,31 @@ class Sender:
         """
         t0 = time.perf_counter()
         deadline = time.monotonic() + self.timeout_s
-        tensors = self._tensors(params)  # a layout mismatch raises here, before anything is announced
+        tensors, sources = self._sources(params)  # a layout mismatch raises here, before anything is announced
         if self._joins_seen.is_set():
             self._take_joiners()
         rebuilt = bool(self._queued or self._dropped or self._broken)
         if rebuilt:
             self._rebuild(deadline, version)
         t_ready = time.perf_counter()
-        metrics = {"sync/version": float(version), "sync/epoch": float(self.epoch),
-                   "sync/members": float(len(self._members)), "sync/rebuild_s": t_ready - t0 if rebuilt else 0.0}
         if not self._members:
             self.version = version
-            return {**metrics, "sync/bytes": 0.0, "sync/push_s": time.perf_counter() - t0,
-                    "sync/acked_time": time.time()}
+            return {**self._metrics(version, rebuilt, t0, t_ready), "sync/bytes": 0.0,
+                    "sync/push_s": time.perf_counter() - t0, "sync/acked_time": time.time()}
         e, k = self.epoch, self._k
         self._k += 1
-        header = P.Header(version=version, layout=self.layout_digest).encode()
         # the store header is for members that are not pre-posted, which happens only at an epoch's first push
         # (every member acknowledged the previous push of this epoch, so each one's receives wait for this one)
-        # and under NCCL (see protocol.PREPOSTS)
+        # and under NCCL (see protocol.PREPOSTS). Nothing else is done before the first chunk is on its way:
+        # on a loaded machine every line of Python here costs several times its quiet figure
         announced = k > 0 and bool(self.chunks) and self.backend in P.PREPOSTS
-        failed = P.failed_key(e, k)
+
+        def announce() -> None:
+            header = P.Header(version=version, layout=self.layout_digest, chunk=self._chunk)
+            self.store.set(P.header_key(e, k), header.encode())
 
         def abort() -> str | None:
-            return "a member reported a failure" if self.store.check([failed]) else None
+            return "a member reported a failure" if self.store.check([P.failed_key(e, k)]) else None
 
         works: list[dist.Work] = []
         self._works = works
@@ -318,17 +372,17 @@ class Sender:
         pack_s = 0.0
         try:
             for c, (start, end) in enumerate(self.chunks):
-                pieces = self._pieces[c]
-                srcs = [tensors[p.index] for p in pieces]
-                data = in_place_chunk(pieces, srcs, end - start)  # already where the chunk puts it: as is
+                data = sources[c]  # already where the chunk puts it: sent as is
                 if data is None:
+                    srcs = self._pick[c](tensors)
+                    for i, p in self._parts[c]:
+                        srcs[i] = srcs[i].detach().reshape(-1)[p.start:p.stop]
                     slot = c % self.depth
                     if slot in slot_work:  # the slot's previous chunk must be on the wire first
                         wait_work(slot_work.pop(slot), deadline, f"broadcast of version {version}", abort,
                                   self.slice_s)
                     tp = time.perf_counter()
-                    torch._foreach_copy_(self._destinations(c), [
-                        t if p.whole else t.detach().reshape(-1)[p.start:p.stop] for p, t in zip(pieces, srcs)])
+                    torch._foreach_copy_(self._destinations(c), srcs)
                     pack_s += time.perf_counter() - tp
                     data = self._slot(slot)[:end - start]
                     works.append(post_broadcast(self._pg, data))
@@ -336,10 +390,10 @@ class Sender:
                 else:
                     works.append(post_broadcast(self._pg, data))
                 if not announced:  # its store round trip overlaps the first chunk
-                    self.store.set(P.header_key(e, k), header)
+                    announce()
                     announced = True
             if not announced:  # a layout without bytes: no chunk to overlap
-                self.store.set(P.header_key(e, k), header)
+                announce()
                 announced = True
             for c in last_first(len(works)):
                 wait_work(works[c], deadline, f"broadcast of chunk {c} of version {version}", abort, self.slice_s)
@@ -357,21 +411,24 @@ class Sender:
                 raise SyncError(f"the acknowledgement of version {version} came back as {int(ack[0])}")
         except SyncError as exc:
             if not announced:
-                self.store.set(P.header_key(e, k), header)
+                announce()
             self._fail(e, k, version, exc)
         except BaseException:  # e.g. an interrupt: receivers must not wait for the rest
             self._broken = True
             if not announced:
-                self.store.set(P.header_key(e, k), header)
+                announce()
             self.store.set(P.abort_key(e, k), "the sender failed")
             raise
         self.version = version
         self._last = (e, k, [m.id for m in self._members])
         t_done = time.perf_counter()
-        nbytes = float(sum(b.nbytes for b in self.buckets))
-        return {**metrics, "sync/bytes": nbytes, "sync/pack_s": pack_s, "sync/broadcast_s": t_sent - t_ready,
-                "sync/ack_wait_s": t_done - t_sent, "sync/push_s": t_done - t0,
-                "sync/gbps": nbytes / max(t_done - t_ready, 1e-9) / 1e9, "sync/acked_time": time.time()}
+        return {**self._metrics(version, rebuilt, t0, t_ready), "sync/bytes": self._nbytes, "sync/pack_s": pack_s,
+                "sync/broadcast_s": t_sent - t_ready, "sync/ack_wait_s": t_done - t_sent, "sync/push_s": t_done - t0,
+                "sync/gbps": self._nbytes / max(t_done - t_ready, 1e-9) / 1e9, "sync/acked_time": time.time()}
+
+    def _metrics(self, version: int, rebuilt: bool, t0: float, t_ready: float) -> dict[str, float]:
+        return {"sync/version": float(version), "sync/epoch": float(self.epoch),
+                "sync/members": float(len(self._members)), "sync/rebuild_s": t_ready - t0 if rebuilt else 0.0}
 
     def wait_live(self, timeout_s: float) -> dict[str, float | str]:
         """Wait until every member of the last push has swapped it in (or reported a load error), at most

@@ -26,21 +26,14 @@ from dataclasses import dataclass
 
 import torch
 
-from async_rlhf.sync.layout import DTYPE_BYTES, Bucket, layout_to_wire
+from async_rlhf.sync.layout import DTYPE_BYTES, Bucket, aligned, layout_to_wire
 
 TORCH_DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
                 "bfloat16": torch.bfloat16, "int64": torch.int64, "int32": torch.int32, "uint8": torch.uint8}
 
-ALIGN = 64
-"""Byte alignment of every bucket inside a shared buffer (a typed view needs its offset aligned)."""
-
 
 def dtype_name(t: torch.Tensor) -> str:
     return str(t.dtype).removeprefix("torch.")
-
-
-def aligned(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
 def arena_offsets(buckets: list[Bucket]) -> tuple[list[int], int]:
@@ -52,22 +45,10 @@ def arena_offsets(buckets: list[Bucket]) -> tuple[list[int], int]:
     return offsets, end
 
 
-def chunk_ranges(total: int, chunk_bytes: int) -> list[tuple[int, int]]:
-    """The arena's bytes ``[0, total)`` cut into ceil(total / chunk_bytes) near-equal ranges whose
-    boundaries are multiples of ALIGN (so they fall between elements of every dtype)."""
-    if chunk_bytes <= 0:
-        raise ValueError("chunk_bytes must be positive")
-    if total <= 0:
-        return []
-    n = -(-total // chunk_bytes)
-    size = aligned(-(-total // n))
-    return [(s, min(s + size, total)) for s in range(0, total, size)]
-
-
-def wire_digest(buckets: list[Bucket], chunks: list[tuple[int, int]]) -> str:
-    """Fingerprint of what a push puts on the wire (layout and chunks): the push header carries the
-    sender's; a receiver that would cut the arena otherwise refuses the push instead of misreading it."""
-    text = json.dumps([layout_to_wire(buckets), chunks], separators=(",", ":"))
+def layout_digest(buckets: list[Bucket]) -> str:
+    """Fingerprint of the layout: a push header carries the sender's, and a receiver holding another layout
+    refuses the push instead of misreading it. (How the arena is cut into broadcasts is in the header too.)"""
+    text = json.dumps(layout_to_wire(buckets), separators=(",", ":"))
     return hashlib.sha1(text.encode()).hexdigest()[:16]
 
 

@@ -94,8 +94,7 @@ def _member(port: int, member_id: str, layout: list, actions: list[str], out) ->
             for name, t in it:
                 model[name].copy_(t)
 
-        rx = Receiver(layout_from_wire(layout), member_id, HOST, port, timeout_s=PUSH_TIMEOUT_S, slice_s=0.1,
-                      chunk_bytes=CHUNK_BYTES)
+        rx = Receiver(layout_from_wire(layout), member_id, HOST, port, timeout_s=PUSH_TIMEOUT_S, slice_s=0.1)
         for action in actions:
             if action == "join":
                 out.put((member_id, "joined", rx.join(timeout_s=SPAWN_S)))

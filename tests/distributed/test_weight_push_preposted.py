@@ -179,3 +179,35 @@ def test_without_preposting_every_push_goes_through_the_store_header(monkeypatch
     monkeypatch.setattr(protocol, "PREPOSTS", ())
     got = three_pushes_to_one_member()
     assert [g.metrics["sync/preposted"] for g in got] == [0.0, 0.0, 0.0]
+
+
+def test_the_cut_follows_where_the_senders_tensors_lie_and_a_change_opens_a_new_epoch():
+    # parameters kept flat go out as one broadcast (as a raw one); separate ones are packed into a few chunks
+    # so that packing overlaps the transfer. Members pre-posted for one cut must never see the other
+    from async_rlhf.sync.tensors import flatten_params
+
+    specs = [TensorSpec("a", (768, 1024), "float32"), TensorSpec("b", (768, 1024), "float32")]  # 6 MiB
+    buckets = plan_buckets(specs, 8 << 20)
+    sender = Sender(buckets, HOST, 0, timeout_s=10.0)
+    gen0 = Member(sender, "gen0", buckets)
+    start([gen0], sender)
+
+    def weights(v: int) -> dict[str, torch.Tensor]:
+        return {"a": torch.full((768, 1024), float(v)), "b": torch.full((768, 1024), -float(v))}
+
+    flat_params = weights(0)
+    flatten_params(flat_params, buckets)
+    th = gen0.receive(5)
+    seen = []
+    for v, flat in [(1, False), (2, True), (3, True), (4, False), (5, False)]:
+        if flat:
+            for name, t in weights(v).items():
+                flat_params[name].copy_(t)
+        sender.push(flat_params if flat else weights(v), v)
+        wait_until(lambda v=v: len(gen0.got) == v, f"version {v}")
+        assert torch.equal(gen0.model["a"], weights(v)["a"]) and torch.equal(gen0.model["b"], weights(v)["b"])
+        assert gen0.rx.chunks == sender.chunks
+        seen.append((sender.epoch, len(sender.chunks), gen0.got[-1].metrics["sync/preposted"]))
+    th.join(10)
+    assert seen == [(0, 3, 0.0), (1, 1, 0.0), (1, 1, 1.0), (2, 3, 0.0), (2, 3, 1.0)], seen
+    sender.close()

@@ -8,30 +8,33 @@ import torch
 
 from async_rlhf.sync import protocol as P
 from async_rlhf.sync.group import Aborted, SyncError, SyncTimeout, wait_work
-from async_rlhf.sync.layout import TensorSpec, auto_bucket_bytes, plan_buckets
+from async_rlhf.sync.layout import ALIGN, TensorSpec, auto_bucket_bytes, chunk_ranges, plan_buckets
 from async_rlhf.sync.sender import PushError
 from async_rlhf.sync.tensors import (
-    ALIGN,
     arena_offsets,
     as_bytes,
     chunk_pieces,
-    chunk_ranges,
     flatten_params,
     in_place_chunk,
+    layout_digest,
     named_views,
-    wire_digest,
 )
 
 
 def test_header_round_trip_and_rejects():
-    assert P.Header.decode(P.Header(version=7, layout="ab12").encode()) == P.Header(version=7, layout="ab12")
+    h = P.Header(version=7, layout="ab12", chunk=4096)
+    assert P.Header.decode(h.encode()) == h
+    assert h.chunks(10_000) == chunk_ranges(10_000, 4096) and len(h.chunks(10_000)) == 3
+    with pytest.raises(ValueError, match="broadcasts"):  # a cut that would allocate a receive per 64 bytes
+        P.Header(version=7, layout="ab12", chunk=64).chunks(64 * (P.MAX_CHUNKS + 1))
     assert P.Header.decode(P.Header(next_epoch=3).encode()) == P.Header(next_epoch=3)
     with pytest.raises(ValueError):
         P.Header(version=1, next_epoch=2).encode()
     with pytest.raises(ValueError):
         P.Header().encode()
     for bad in ['{"version": "7", "layout": ""}', '{"version": 7}', '{"next": 1, "version": 2}', "[]",
-                '{"other": 1}', '{"version": 7, "layout": 3}']:
+                '{"other": 1}', '{"version": 7, "layout": 3, "chunk": 64}', '{"version": 7, "layout": ""}',
+                '{"version": 7, "layout": "", "chunk": 0}', '{"version": 7, "layout": "", "chunk": "64"}']:
         with pytest.raises(ValueError):
             P.Header.decode(bad)
 
@@ -142,7 +145,8 @@ def test_chunks_cut_the_arena_alike_for_any_tensor_sizes():
         spans.sort()
         assert spans[0][0] == 0 and spans[-1][1] == numels[i] and all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
     assert len(covered) == len(specs)
-    assert wire_digest(buckets, chunks) != wire_digest(buckets, chunk_ranges(total, 512))
+    assert layout_digest(buckets) == layout_digest(plan_buckets(specs, 256))
+    assert layout_digest(buckets) != layout_digest(plan_buckets(specs, 64))  # other buckets
 
 
 def test_auto_bucket_bytes_is_bounded():
