@@ -28,9 +28,9 @@ Join, rebuild, push, ack (k counts push headers within an epoch; every wait has 
         set(e'/go) ---------------------------------> wait(e'/go)
         build the group of e' (rank 0) <=============> build the group of e' (rendezvous on e'/pg/)
       post the broadcasts of chunks 0..C-1; at an epoch's first push (k = 0) only, then
-      set(e'/hdr/k, {"version": v, "layout": digest})
+      set(e'/hdr/k, {"version": v, "layout": digest, "cut": chunks})
                                     ----------------> k = 0 (slow): wait(e'/hdr/k); refuse a foreign layout
-                                                      (its digest covers the chunks too); post the receives
+                                                      (the header names the cut: its chunks); post the receives
                                                       k > 0 (fast): the receives were posted when the fetch
                                                       began (the epoch's wire never changes); between idle
                                                       slices look for e/hdr/k = {"next": e'} (the sender
@@ -51,7 +51,8 @@ Join, rebuild, push, ack (k counts push headers within an epoch; every wait has 
 
 ``missing`` (no report at all: dead or hung) and ``errors`` (reported its own failure) are the members to
 drop; ``aborted`` ones only gave up because the sender did. Within an epoch the wire never changes
-(``Sender.use_layout`` with another digest opens a new epoch), so pre-posted receives always match what
+(``Sender.use_layout`` with another digest, or parameters that move in or out of one flat buffer, which
+changes the cut, open a new epoch), so pre-posted receives always match what
 comes. Receives pre-posted for longer than the group's own timeout fail there; that member then joins
 again (a new incarnation) and the next push rebuilds the group with it. A receiver that finds itself absent from
 e'/members was dropped: it raises ``Excluded`` and may join again. Keys are never deleted (a few hundred
@@ -63,8 +64,6 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from typing import Any
-
-from async_rlhf.sync.layout import chunk_ranges
 
 JOIN_QUEUE = "joins"
 PREPOSTS = ("gloo",)
@@ -161,44 +160,42 @@ def decode_join(raw: bytes | str) -> Member:
 
 
 MAX_CHUNKS = 1 << 16
-"""At most this many broadcasts per push (a header cutting finer is malformed: every broadcast is a few
-hundred microseconds of overhead, and the receiver allocates per chunk)."""
+"""At most this many broadcasts per push (a header cutting finer is malformed: every broadcast costs a few
+hundred microseconds, and the receiver posts one receive per chunk)."""
 
 
 @dataclass(frozen=True)
 class Header:
     """What push k of an epoch is: a version on the wire (with the sender's layout digest, so that a
-    receiver holding another layout refuses it instead of receiving garbage, and the size of one broadcast:
-    how the arena is cut), or a move to the next epoch."""
+    receiver holding another layout refuses it instead of receiving garbage, and the cut: the arena's byte
+    ranges, one broadcast each, in order), or a move to the next epoch."""
 
     version: int | None = None
     next_epoch: int | None = None
     layout: str = ""
-    chunk: int = 0
+    cut: tuple[tuple[int, int], ...] = ()
 
     def encode(self) -> str:
         if (self.version is None) == (self.next_epoch is None):
             raise ValueError("a header carries exactly one of version and next_epoch")
         if self.version is not None:
-            return encode({"version": self.version, "layout": self.layout, "chunk": self.chunk})
+            return encode({"version": self.version, "layout": self.layout, "cut": [list(c) for c in self.cut]})
         return encode({"next": self.next_epoch})
 
     @staticmethod
     def decode(raw: bytes | str) -> Header:
         data = decode(raw)
-        if (isinstance(data, dict) and set(data) == {"version", "layout", "chunk"} and isinstance(data["version"], int)
-                and isinstance(data["layout"], str) and isinstance(data["chunk"], int) and data["chunk"] > 0):
-            return Header(version=data["version"], layout=data["layout"], chunk=data["chunk"])
+        if (isinstance(data, dict) and set(data) == {"version", "layout", "cut"} and isinstance(data["version"], int)
+                and isinstance(data["layout"], str) and _is_cut(data["cut"])):
+            return Header(version=data["version"], layout=data["layout"], cut=tuple(tuple(c) for c in data["cut"]))
         if isinstance(data, dict) and set(data) == {"next"} and isinstance(data["next"], int):
             return Header(next_epoch=data["next"])
-        raise ValueError(f"malformed push header: {data!r}")
+        raise ValueError(f"malformed push header: {str(data)[:200]}")
 
-    def chunks(self, total: int) -> list[tuple[int, int]]:
-        """The byte ranges of the broadcasts of this push, for an arena of ``total`` bytes."""
-        if -(-total // self.chunk) > MAX_CHUNKS:
-            raise ValueError(f"push header cuts {total} bytes into chunks of {self.chunk} bytes: more than "
-                             f"{MAX_CHUNKS} broadcasts (a sender with another chunk_bytes?)")
-        return chunk_ranges(total, self.chunk)
+
+def _is_cut(cut: Any) -> bool:
+    return (isinstance(cut, list) and len(cut) <= MAX_CHUNKS
+            and all(isinstance(c, list) and len(c) == 2 and all(type(x) is int and x >= 0 for x in c) for c in cut))
 
 
 def merge_members(current: list[Member], dropped: set[str], joiners: list[Member]) -> list[Member]:

@@ -56,7 +56,7 @@ from async_rlhf.sync.group import (
     wait_work,
 )
 from async_rlhf.sync.layout import Bucket
-from async_rlhf.sync.tensors import arena_offsets, layout_digest, named_views
+from async_rlhf.sync.tensors import arena_offsets, check_cut, layout_digest, named_views
 
 log = logging.getLogger(__name__)
 
@@ -222,7 +222,8 @@ class Receiver:
                 if header.layout != self.layout_digest:
                     raise SyncError(f"layout mismatch: the sender pushes layout {header.layout}, this member "
                                     f"holds {self.layout_digest} (call use_layout on both sides at the same boundary)")
-                self.chunks = header.chunks(self._arena_bytes)
+                check_cut(list(header.cut), self.buckets)
+                self.chunks = list(header.cut)
                 self._posted = (e, k, self._post(self.chunks, self.arena()))
             works = self._posted[2]
             self._posted = None

@@ -4,17 +4,20 @@ Sending bytes rather than typed tensors lets one reusable buffer serve buckets o
 backend never has to support the dtype (gloo's support for bf16 or fp8 varies; bytes always work).
 
 The buckets (see :mod:`async_rlhf.sync.layout`) say where each tensor lies in one byte buffer, the *arena*
-(bucket i at ``arena_offsets(...)[0][i]``). What travels is that arena cut into a few equal *chunks*,
-whatever the tensors: a many-small-tensors model and a few-large-tensors model of equal bytes make the
-same broadcasts, and the receiver receives straight into its arena, doing nothing per tensor::
+(bucket i at ``arena_offsets(...)[0][i]``). What travels is that arena as a few broadcasts, its *cut*, which
+the sender chooses at an epoch's first push and names in that push's header; the receiver receives straight
+into its arena, doing nothing per tensor:
 
-    arena   | bucket 0: a b c d ... | pad | bucket 1: e (large) ......................... | pad |
-    chunks  | chunk 0 ...................... | chunk 1 ...................... | chunk 2 ...... |
-    pieces    a b c d ... e[:n]                e[n:m]                           e[m:]
+- every tensor lies in one flat buffer, in arena order (:func:`flatten_params`, ZeRO-1/2): one broadcast of
+  the whole arena, straight from that buffer (what a raw broadcast of the same bytes costs);
+- otherwise (:func:`cut_arena`): a large tensor is a broadcast of its own, from its storage, and runs of
+  small tensors are cut into chunks that the sender packs into a slot (one fused copy per chunk)::
 
-A chunk's *pieces* are the (parts of) tensors in it. The sender sends a chunk straight from parameter
-memory when its pieces lie there exactly as in the arena (one tensor, or parameters moved into one
-buffer by :func:`flatten_params`); otherwise it packs them into a slot (one fused copy).
+    arena   | bucket 0: a b c d ...  | pad | bucket 1: e (large) ......................... | pad |
+    cut     | chunk 0: a b c d ...   |     | chunk 1: e[:n]        | chunk 2: e[n:]        |
+            | (packed)               |     | (e's storage)         | (e's storage)         |
+
+A chunk's *pieces* are the (parts of) tensors in it (:func:`chunk_pieces`).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from async_rlhf.sync.layout import DTYPE_BYTES, Bucket, aligned, layout_to_wire
+from async_rlhf.sync.layout import DTYPE_BYTES, Bucket, aligned, chunk_ranges, layout_to_wire
 
 TORCH_DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
                 "bfloat16": torch.bfloat16, "int64": torch.int64, "int32": torch.int32, "uint8": torch.uint8}
@@ -50,6 +53,70 @@ def layout_digest(buckets: list[Bucket]) -> str:
     refuses the push instead of misreading it. (How the arena is cut into broadcasts is in the header too.)"""
     text = json.dumps(layout_to_wire(buckets), separators=(",", ":"))
     return hashlib.sha1(text.encode()).hexdigest()[:16]
+
+
+def tensor_spans(buckets: list[Bucket]) -> list[tuple[int, int]]:
+    """Every tensor's bytes in the arena, ``(first, end)``, in arena order (buckets are laid out in order)."""
+    offsets, _ = arena_offsets(buckets)
+    return [(off + e.offset * DTYPE_BYTES[b.dtype], off + (e.offset + e.numel) * DTYPE_BYTES[b.dtype])
+            for off, b in zip(offsets, buckets) for e in sorted(b.entries, key=lambda e: e.offset)]
+
+
+def cut_arena(buckets: list[Bucket], chunk_bytes: int, own_bytes: int) -> list[tuple[int, int]]:
+    """The broadcasts of a push whose tensors do not all lie in one flat buffer (pure: from the layout only).
+
+    A tensor of at least ``own_bytes`` is a broadcast of its own (split in ``chunk_bytes`` parts if larger),
+    sent straight from its storage: no copy. Runs of smaller tensors between them are cut into chunks of at
+    most ``chunk_bytes`` that the sender packs (packing one overlaps the transfer of the one before); their
+    inner boundaries fall on multiples of ALIGN, hence between elements of every dtype. Bucket padding
+    outside the runs is not sent::
+
+        arena   | s s s s | BIG ............. | s s | pad | BIG2 ........................ |
+        cut     | packed  | own               |packed|     | own (part 1)  | own (part 2)  |
+    """
+    if chunk_bytes <= 0 or own_bytes <= 0:
+        raise ValueError("chunk_bytes and own_bytes must be positive")
+    out: list[tuple[int, int]] = []
+    run: list[int] = []  # first and end of the current run of small tensors
+
+    def close_run() -> None:
+        if run:
+            lo, hi = run
+            n = -(-(hi - lo) // chunk_bytes)
+            size = -(-(hi - lo) // n)
+            inner = sorted({b for b in (aligned(lo + i * size) for i in range(1, n)) if lo < b < hi})
+            bounds = [lo, *inner, hi]
+            out.extend(zip(bounds, bounds[1:]))
+            run.clear()
+
+    for lo, hi in tensor_spans(buckets):
+        if hi - lo >= own_bytes:
+            close_run()
+            out.extend((lo + a, lo + b) for a, b in chunk_ranges(hi - lo, chunk_bytes))
+        elif run:
+            run[1] = hi
+        else:
+            run.extend((lo, hi))
+    close_run()
+    return out
+
+
+def check_cut(cut: list[tuple[int, int]], buckets: list[Bucket]) -> None:
+    """Raise ValueError unless ``cut`` is sorted, disjoint, inside the arena and carries every tensor byte."""
+    _, total = arena_offsets(buckets)
+    end = 0
+    for a, b in cut:
+        if a < end or b <= a or b > total:
+            raise ValueError(f"the push's cut {a}-{b} overlaps, is empty or ends past the arena ({total} bytes)")
+        end = b
+    i = 0
+    for lo, hi in tensor_spans(buckets):
+        while lo < hi:
+            while i < len(cut) and cut[i][1] <= lo:
+                i += 1
+            if i == len(cut) or cut[i][0] > lo:
+                raise ValueError(f"the push's cut leaves bytes {lo}-{hi} of a tensor out")
+            lo = min(hi, cut[i][1])
 
 
 @dataclass(frozen=True)

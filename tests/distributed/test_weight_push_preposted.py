@@ -182,18 +182,22 @@ def test_without_preposting_every_push_goes_through_the_store_header(monkeypatch
 
 
 def test_the_cut_follows_where_the_senders_tensors_lie_and_a_change_opens_a_new_epoch():
-    # parameters kept flat go out as one broadcast (as a raw one); separate ones are packed into a few chunks
-    # so that packing overlaps the transfer. Members pre-posted for one cut must never see the other
-    from async_rlhf.sync.tensors import flatten_params
+    # parameters kept flat go out as one broadcast (as a raw one); separate ones as the packed cut: a large
+    # tensor from its own storage, small ones packed. Members pre-posted for one cut must never see the other
+    from async_rlhf.sync.layout import auto_chunk_bytes
+    from async_rlhf.sync.tensors import arena_offsets, cut_arena, flatten_params
 
-    specs = [TensorSpec("a", (768, 1024), "float32"), TensorSpec("b", (768, 1024), "float32")]  # 6 MiB
+    specs = [TensorSpec(f"small{i}", (64, 64), "float32") for i in range(8)]
+    specs.append(TensorSpec("big", (768, 1024), "float32"))
     buckets = plan_buckets(specs, 8 << 20)
     sender = Sender(buckets, HOST, 0, timeout_s=10.0)
+    packed = cut_arena(buckets, auto_chunk_bytes(arena_offsets(buckets)[1]), sender.own_bytes)
+    assert len(packed) >= 3  # the run of small tensors, then the big one in parts
     gen0 = Member(sender, "gen0", buckets)
     start([gen0], sender)
 
     def weights(v: int) -> dict[str, torch.Tensor]:
-        return {"a": torch.full((768, 1024), float(v)), "b": torch.full((768, 1024), -float(v))}
+        return {s.name: torch.full(s.shape, float(v) + i) for i, s in enumerate(specs)}
 
     flat_params = weights(0)
     flatten_params(flat_params, buckets)
@@ -203,11 +207,14 @@ def test_the_cut_follows_where_the_senders_tensors_lie_and_a_change_opens_a_new_
         if flat:
             for name, t in weights(v).items():
                 flat_params[name].copy_(t)
-        sender.push(flat_params if flat else weights(v), v)
+        metrics = sender.push(flat_params if flat else weights(v), v)
         wait_until(lambda v=v: len(gen0.got) == v, f"version {v}")
-        assert torch.equal(gen0.model["a"], weights(v)["a"]) and torch.equal(gen0.model["b"], weights(v)["b"])
+        assert all(torch.equal(gen0.model[n], t) for n, t in weights(v).items()), f"version {v} arrived wrong"
         assert gen0.rx.chunks == sender.chunks
-        seen.append((sender.epoch, len(sender.chunks), gen0.got[-1].metrics["sync/preposted"]))
+        seen.append((sender.epoch, len(sender.chunks), gen0.got[-1].metrics["sync/preposted"],
+                     metrics["sync/pack_s"] > 0))
     th.join(10)
-    assert seen == [(0, 3, 0.0), (1, 1, 0.0), (1, 1, 1.0), (2, 3, 0.0), (2, 3, 1.0)], seen
+    n = len(packed)
+    assert seen == [(0, n, 0.0, True), (1, 1, 0.0, False), (1, 1, 1.0, False), (2, n, 0.0, True),
+                    (2, n, 1.0, True)], seen
     sender.close()

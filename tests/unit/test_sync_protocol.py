@@ -13,7 +13,9 @@ from async_rlhf.sync.sender import PushError
 from async_rlhf.sync.tensors import (
     arena_offsets,
     as_bytes,
+    check_cut,
     chunk_pieces,
+    cut_arena,
     flatten_params,
     in_place_chunk,
     layout_digest,
@@ -22,21 +24,41 @@ from async_rlhf.sync.tensors import (
 
 
 def test_header_round_trip_and_rejects():
-    h = P.Header(version=7, layout="ab12", chunk=4096)
+    h = P.Header(version=7, layout="ab12", cut=((0, 4096), (4096, 5000)))
     assert P.Header.decode(h.encode()) == h
-    assert h.chunks(10_000) == chunk_ranges(10_000, 4096) and len(h.chunks(10_000)) == 3
-    with pytest.raises(ValueError, match="broadcasts"):  # a cut that would allocate a receive per 64 bytes
-        P.Header(version=7, layout="ab12", chunk=64).chunks(64 * (P.MAX_CHUNKS + 1))
     assert P.Header.decode(P.Header(next_epoch=3).encode()) == P.Header(next_epoch=3)
     with pytest.raises(ValueError):
         P.Header(version=1, next_epoch=2).encode()
     with pytest.raises(ValueError):
         P.Header().encode()
-    for bad in ['{"version": "7", "layout": ""}', '{"version": 7}', '{"next": 1, "version": 2}', "[]",
-                '{"other": 1}', '{"version": 7, "layout": 3, "chunk": 64}', '{"version": 7, "layout": ""}',
-                '{"version": 7, "layout": "", "chunk": 0}', '{"version": 7, "layout": "", "chunk": "64"}']:
+    too_fine = str([[i, i + 1] for i in range(P.MAX_CHUNKS + 1)])
+    for bad in ['{"version": "7", "layout": "", "cut": []}', '{"version": 7}', '{"next": 1, "version": 2}', "[]",
+                '{"other": 1}', '{"version": 7, "layout": 3, "cut": []}', '{"version": 7, "layout": ""}',
+                '{"version": 7, "layout": "", "cut": [[0]]}', '{"version": 7, "layout": "", "cut": [[0, "64"]]}',
+                '{"version": 7, "layout": "", "cut": [[-1, 64]]}', '{"version": 7, "layout": "", "cut": [[0, 1.5]]}',
+                '{"version": 7, "layout": "", "cut": ' + too_fine + '}']:
         with pytest.raises(ValueError):
             P.Header.decode(bad)
+
+
+def test_the_packed_cut_sends_large_tensors_alone_and_packs_runs_of_small_ones():
+    specs = ([TensorSpec(f"s{i}", (7,), "bfloat16") for i in range(5)] + [TensorSpec("big", (300,), "float32")]
+             + [TensorSpec(f"t{i}", (3,), "float32") for i in range(4)] + [TensorSpec("big2", (1000,), "float32")])
+    buckets = plan_buckets(specs, 1 << 20)  # bfloat16 bucket at 0 (70 bytes), float32 bucket at 128
+    cut = cut_arena(buckets, 1024, 1000)
+    # the run of bf16 tensors (padding after it left out), big alone in two parts, the run of four small
+    # float32 tensors, big2 in four parts
+    assert cut[:4] == [(0, 70), (128, 768), (768, 1328), (1328, 1376)] and len(cut) == 8 and cut[-1][1] == 5376
+    check_cut(cut, buckets)
+    fine = cut_arena(buckets, 16, 1000)  # a run cut finer than 64 bytes: its inner boundaries stay aligned
+    assert fine[:2] == [(0, 64), (64, 70)] and all(a % 4 == 0 for a, _ in fine if a >= 128)
+    check_cut(fine, buckets)
+    check_cut([(0, 80), *cut[1:]], buckets)  # padding may travel
+    for bad in (cut[:-1], [(0, 64), *cut[1:]], [(0, 200), *cut[1:]], [*cut[:-1], (4448, 6000)]):
+        with pytest.raises(ValueError):  # a tensor left out, overlapping chunks, past the arena
+            check_cut(bad, buckets)
+    with pytest.raises(ValueError):
+        cut_arena(buckets, 0, 1000)
 
 
 def test_members_and_join_requests_round_trip_and_validate():
