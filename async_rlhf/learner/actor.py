@@ -25,6 +25,28 @@ from async_rlhf.timeline import Timeline
 log = logging.getLogger(__name__)
 
 
+def push_layout(params: dict[str, Any], bucket_cap: int, zero_stage: int) -> list:
+    """The buckets of the weight push for these (full) parameters, at most ``bucket_cap`` bytes each.
+
+    Under ZeRO-0 the parameters are also moved into one buffer in push order (``flatten_params``) so that
+    every push sends straight from it, in every dtype: the optimizers DeepSpeed builds there (torch's for
+    fp32, its unfused fp16/bf16 one, whose fp32 master copies are written back with ``p.data.copy_``) hold
+    the Parameter objects, not their storage. ZeRO-1/2 keep parameters as slices of their own flat buffers,
+    which the sender uses as they are; ZeRO-3 gathers fresh tensors for each push, sent as they lie when
+    they are back to back in push order (DeepSpeed gathers into one buffer), else packed. The sender checks
+    at every push where the tensors are, so a wrong guess here costs a copy, never wrong weights.
+    """
+    from async_rlhf.sync.layout import DTYPE_BYTES, TensorSpec, auto_bucket_bytes, plan_buckets
+    from async_rlhf.sync.tensors import dtype_name, flatten_params
+
+    specs = [TensorSpec(n, tuple(p.shape), dtype_name(p)) for n, p in params.items()]
+    total = sum(s.numel * DTYPE_BYTES[s.dtype] for s in specs)
+    buckets = plan_buckets(specs, auto_bucket_bytes(total, lo=min(4 << 20, bucket_cap), hi=bucket_cap))
+    if zero_stage == 0:
+        flatten_params(params, buckets)
+    return buckets
+
+
 class LearnerActor:
     def __init__(self, rank: int, world_size: int, cfg: Config, model_path: str, master_addr: str,
                  master_port: int, buffer_address: str) -> None:
@@ -85,18 +107,10 @@ class LearnerActor:
 
     # -- weight push (rank 0) ----------------------------------------------------------------
     def weight_layout(self) -> list[dict[str, Any]]:
-        from async_rlhf.sync.layout import DTYPE_BYTES, TensorSpec, auto_bucket_bytes, layout_to_wire, plan_buckets
-        from async_rlhf.sync.tensors import dtype_name, flatten_params
+        from async_rlhf.sync.layout import layout_to_wire
 
         with self._full_params() as params:
-            specs = [TensorSpec(n, tuple(p.shape), dtype_name(p)) for n, p in params.items()]
-            total = sum(s.numel * DTYPE_BYTES[s.dtype] for s in specs)
-            cap = self.cfg.sync.bucket_mb << 20
-            self._buckets = plan_buckets(specs, auto_bucket_bytes(total, lo=min(4 << 20, cap), hi=cap))
-            if self.cfg.learner.zero_stage == 0 and self.cfg.model.dtype == "float32" and self.step == 0:
-                # plain parameters: keep them in push order in one buffer, so every push sends straight from
-                # it (ZeRO-1/2 and DeepSpeed's bf16/fp16 optimizers already keep them flat; ZeRO-3 packs)
-                flatten_params(params, self._buckets)
+            self._buckets = push_layout(params, self.cfg.sync.bucket_mb << 20, self.cfg.learner.zero_stage)
         return layout_to_wire(self._buckets)
 
     def init_weight_sync(self, host: str, port: int, generators: dict[str, Any]) -> None:

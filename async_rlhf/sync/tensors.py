@@ -197,10 +197,12 @@ def flatten_params(params: Mapping[str, torch.Tensor], buckets: list[Bucket]) ->
     """Move every tensor of ``params`` into one buffer laid out like ``buckets`` (``p.data`` re-pointed,
     values and Parameter objects kept), so that every later push sends straight from it: no packing.
 
-    For a learner whose parameters are separate tensors (plain modules, DeepSpeed ZeRO-0); call it once,
-    before the optimizer is built. ZeRO-1/2 keep parameters as slices of their own flat buffers (the
-    sender uses them as they are wherever a bucket's tensors happen to be back to back there); ZeRO-3
-    gathers fresh tensors for each push, so there is nothing to keep flat. Returns the buffer (bytes).
+    For a learner whose parameters are separate tensors (plain modules, DeepSpeed ZeRO-0), once; an optimizer
+    built before may stay if it holds the Parameter objects and writes through them (torch's do, and so does
+    DeepSpeed's unfused fp16/bf16 one, with ``p.data.copy_``), not if it keeps their storage.
+    ZeRO-1/2 keep parameters as slices of their own flat buffers (the sender uses them as they are wherever
+    a bucket's tensors happen to be back to back there); ZeRO-3 gathers fresh tensors for each push, so there
+    is nothing to keep flat. Returns the buffer (bytes).
     """
     offsets, total = arena_offsets(buckets)
     first = next(iter(params.values()))
