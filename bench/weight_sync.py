@@ -27,11 +27,12 @@ machine hits both alike; the table shows medians, over more repetitions for smal
 takes a few ms, as long as one scheduling hiccup on 2 shared cores). ``--out`` writes JSON
 ``{"rows": [...]}``.
 
-Storage of the sender's tensors: ``flat`` is what the learner sends from under ZeRO-0 (fp32 parameters are
-moved into one buffer in push order by ``flatten_params``), ZeRO-1/2 and DeepSpeed's bf16/fp16 optimizers
-(their own flat buffers): every bucket leaves straight from parameter memory. ``separate`` is ZeRO-3, whose
-gathered tensors are packed into the buckets. The receivers always copy into a separate module (what
-vLLM's weight loaders do).
+Storage of the sender's tensors: ``flat`` is what every learner we ship sends from (ZeRO-0 in every dtype,
+whose parameters ``push_layout`` moves into one buffer in push order; ZeRO-1/2, DeepSpeed's own flat buffers;
+as observed here, ZeRO-3 on one rank, whose gather lands in order; see test_learner_push_storage.py): the
+whole push leaves straight from parameter memory. ``separate`` (tensors scattered in memory, e.g. a ZeRO-3
+gather that does not land in order) is cut by ``cut_arena`` and partly packed. The receivers always copy
+into a separate module (what vLLM's weight loaders do).
 """
 
 from __future__ import annotations
