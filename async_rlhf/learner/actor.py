@@ -25,6 +25,19 @@ from async_rlhf.timeline import Timeline
 log = logging.getLogger(__name__)
 
 
+@contextlib.contextmanager
+def full_params(engine: Any, zero_stage: int):
+    """Full (gathered under ZeRO-3) parameters of a DeepSpeed engine by Hugging Face name; collective on
+    every rank."""
+    import deepspeed
+
+    module = engine.module
+    ctx = (deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None)
+           if zero_stage == 3 else contextlib.nullcontext())
+    with ctx:
+        yield dict(module.named_parameters())
+
+
 def push_layout(params: dict[str, Any], bucket_cap: int, zero_stage: int) -> list:
     """The buckets of the weight push for these (full) parameters, at most ``bucket_cap`` bytes each.
 
@@ -141,16 +154,8 @@ class LearnerActor:
                 self._sender.drop([mid])
                 self._generators.pop(mid, None)
 
-    @contextlib.contextmanager
     def _full_params(self):
-        """Full (gathered under ZeRO-3) parameters by Hugging Face name; collective on every rank."""
-        import deepspeed
-
-        module = self.engine.module
-        ctx = (deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None)
-               if self.cfg.learner.zero_stage == 3 else contextlib.nullcontext())
-        with ctx:
-            yield dict(module.named_parameters())
+        return full_params(self.engine, self.cfg.learner.zero_stage)
 
     def _push(self, version: int) -> dict[str, float]:
         """Push ``version`` to every live generator; a dead or hung one is named, dropped, and the push

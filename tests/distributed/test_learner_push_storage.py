@@ -8,14 +8,13 @@ compared with the learner's parameters."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 
 import pytest
 import torch
 from test_weight_push_preposted import HOST, Member, start, wait_until
 
-from async_rlhf.learner.actor import push_layout
+from async_rlhf.learner.actor import full_params, push_layout
 from async_rlhf.sync.sender import Sender
 
 pytestmark = pytest.mark.distributed
@@ -46,17 +45,6 @@ def tiny_engine(zero_stage: int, dtype: str):
                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
     model = Qwen2ForCausalLM(cfg).to(getattr(torch, dtype))
     return build_engine(model, lr=1e-2, micro_batch=1, zero_stage=zero_stage, dtype=dtype)
-
-
-@contextlib.contextmanager
-def full_params(engine, zero_stage: int):
-    import deepspeed
-
-    module = engine.module
-    ctx = (deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None)
-           if zero_stage == 3 else contextlib.nullcontext())
-    with ctx:
-        yield dict(module.named_parameters())
 
 
 def train_step(engine) -> None:
