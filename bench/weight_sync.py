@@ -292,12 +292,33 @@ def default_reps(cfg: dict, quick: bool) -> int:
     return max(10, min(60, int(1e9 / nbytes))) if quick else max(10, min(300, int(3e9 / nbytes)))
 
 
-def ratio_interval(raw: list[float], push: list[float], draws: int = 400) -> tuple[float, float]:
-    """A 90% bootstrap interval of median(raw) / median(push): how far the noise alone moves the ratio."""
+def bootstrap_interval(stat, draws: int = 400) -> tuple[float, float]:
+    """A 90% bootstrap interval of ``stat(rng)``, a statistic of repetitions resampled with ``rng``: how far
+    the noise alone moves it."""
     rng = random.Random(0)
-    med = statistics.median
-    got = sorted(med(rng.choices(raw, k=len(raw))) / med(rng.choices(push, k=len(push))) for _ in range(draws))
+    got = sorted(stat(rng) for _ in range(draws))
     return got[int(0.05 * draws)], got[int(0.95 * draws) - 1]
+
+
+def resampled_median(rng: random.Random, xs: list[float]) -> float:
+    return statistics.median(rng.choices(xs, k=len(xs)))
+
+
+def rel_gap(x: float, y: float) -> float:
+    return abs(x - y) / min(x, y)
+
+
+def ratio_interval(raw: list[float], push: list[float]) -> tuple[float, float]:
+    """The interval of median(raw) / median(push)."""
+    return bootstrap_interval(lambda rng: resampled_median(rng, raw) / resampled_median(rng, push))
+
+
+def gap_interval(a: dict, b: dict) -> tuple[float, float]:
+    """The interval of the gap between two rows' push_s / raw_s."""
+    def norm(rng: random.Random, r: dict) -> float:
+        return resampled_median(rng, r["push_all_s"]) / resampled_median(rng, r["raw_all_s"])
+
+    return bootstrap_interval(lambda rng: rel_gap(norm(rng, a), norm(rng, b)))
 
 
 def fmt_row(r: dict) -> str:
@@ -315,23 +336,6 @@ HEADER = (f"{'params':>6} {'dtype':<8} {'layout':<10} {'storage':<8} {'rx':>3} {
           f"{'chkMiB':>6} "
           f"{'raw_ms':>8} {'push_ms':>8} {'ratio':>6} {'paired':>6} {'pause_ms':>8} {'live_ms':>8} {'p/raw':>6} "
           f"{'GB/s':>6} {'raw_cpu':>7} {'pushcpu':>7}")
-
-
-def gap_interval(a: dict, b: dict, draws: int = 400) -> tuple[float, float]:
-    """A 90% bootstrap interval of the gap between two rows' push_s / raw_s (medians, resampled)."""
-    rng = random.Random(0)
-    med = statistics.median
-
-    def norm(r: dict) -> float:
-        return (med(rng.choices(r["push_all_s"], k=len(r["push_all_s"])))
-                / med(rng.choices(r["raw_all_s"], k=len(r["raw_all_s"]))))
-
-    gaps = []
-    for _ in range(draws):
-        x, y = norm(a), norm(b)
-        gaps.append(abs(x - y) / min(x, y))
-    gaps.sort()
-    return gaps[int(0.05 * draws)], gaps[int(0.95 * draws) - 1]
 
 
 def check_targets(rows: list[dict]) -> list[str]:
@@ -355,8 +359,7 @@ def check_targets(rows: list[dict]) -> list[str]:
             # between them (raw itself, the same bytes in both, moves that much): what is compared is each
             # layout's push time against the raw transfer interleaved with it, push_s / raw_s
             ra, rb = a["push_s"] / a["raw_s"], b["push_s"] / b["raw_s"]
-            gap = abs(ra - rb) / min(ra, rb)
-            raw_gap = abs(a["push_s"] - b["push_s"]) / min(a["push_s"], b["push_s"])
+            gap, raw_gap = rel_gap(ra, rb), rel_gap(a["push_s"], b["push_s"])
             if gap > 0.10:
                 lo, hi = gap_interval(a, b)
                 out.append(f"MISSED layouts within 10%: {params / UNIT:.0f}M {dtype} {storage} x{rx}: push/raw "
