@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from async_rlhf.checkpoint import list_checkpoints, read_manifest
+from async_rlhf.checkpoint import STAGING, checkpoints_dir, list_checkpoints, read_manifest
 from async_rlhf.generator.stream import key_of_group
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -76,6 +76,15 @@ def past_last_checkpoint(run_dir: Path) -> bool:
     return step >= 0 and bool(records) and max(r["step"] for r in records) > step
 
 
+def past_every_checkpoint(run_dir: Path) -> bool:
+    """True when the metrics hold a step after every checkpoint, committed or still staged by the learner (which
+    runs ahead of the driver): one the driver could still commit after a kill is older than those steps."""
+    records = learner_records(run_dir)
+    staged = [int(p.name.rsplit("-", 1)[1]) for p in checkpoints_dir(run_dir).glob(f"{STAGING}*")]
+    newest = max([newest_checkpoint_step(run_dir), *staged])
+    return newest >= 0 and bool(records) and max(r["step"] for r in records) > newest
+
+
 def wait_until(cond: Any, what: str, job: subprocess.Popen, log: Path, timeout_s: float = 600.0) -> None:
     """Poll ``cond`` while the job runs; fail with the end of its log if it ends or time runs out."""
     deadline = time.monotonic() + timeout_s
@@ -103,8 +112,9 @@ def _signal_all(pids: list[int], sig: int) -> None:
 
 
 def freeze_when(job: subprocess.Popen, cond: Any, what: str, log: Path, every_s: float = 0.3,
-                timeout_s: float = 300.0, whole_job: bool = False) -> None:
-    """Return with the job's driver stopped (SIGSTOP) at a moment ``cond`` holds; the caller kills or resumes it.
+                timeout_s: float = 300.0, whole_job: bool = False) -> list[int]:
+    """Return with the job's driver stopped (SIGSTOP) at a moment ``cond`` holds; the caller kills it, or resumes
+    it with :func:`thaw` of the returned pids (the stopped processes).
 
     Only the driver writes metrics.jsonl and commits checkpoints, so while it is stopped what ``cond`` reads
     cannot change: the check and the caller's next step (a kill) are atomic. Without the freeze, a poll
@@ -119,9 +129,14 @@ def freeze_when(job: subprocess.Popen, cond: Any, what: str, log: Path, every_s:
         pids = session_pids(job.pid) if whole_job else [job.pid]
         _signal_all(pids, signal.SIGSTOP)
         if cond():
-            return
+            return pids
         _signal_all(pids, signal.SIGCONT)
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
+
+
+def thaw(pids: list[int]) -> None:
+    """Resume the processes :func:`freeze_when` stopped (those gone meanwhile are skipped)."""
+    _signal_all(pids, signal.SIGCONT)
 
 
 def resume_newest(work: Path, run_dir: Path, more_steps: int, by_checkpoint: bool = False) -> dict[str, Any]:
