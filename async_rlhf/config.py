@@ -180,6 +180,10 @@ class TrainConfig:
     online_dpo (pairs from each prompt group: train.dpo)."""
     ppo: PPOConfig = field(default_factory=PPOConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)
+    drop_zero_advantage: str = "auto"
+    """Dynamic sampling (DAPO): the buffer drops prompt groups whose rewards are all equal (reason
+    zero_advantage: a group baseline makes every advantage zero, so they carry no gradient) and keeps batches
+    full with informative ones. on | off | auto (on for grpo with grpo/dr_grpo/rloo advantages and no KL term)."""
 
 
 @dataclass
@@ -200,6 +204,10 @@ class GeneratorConfig:
     """Cores of the generator fleet, e.g. 0-5 (split among generators), all, or auto (see async_rlhf/cpus.py)."""
     eval_every: int = 25
     """Generator 0 measures held-out greedy accuracy every this many versions (0 disables)."""
+    min_swap_interval_s: float = 0.0
+    """Swap in a newly received version at most this often (versions arriving meanwhile are coalesced: only
+    the newest is loaded), unless the engine lags the newest by max_staleness versions or more. 0: at the next
+    engine step after it arrived."""
 
 
 @dataclass
@@ -266,6 +274,10 @@ class SyncConfig:
     timeout_s: float = 30.0
     """Timeout of every collective and handshake of the push; a peer slower than this is reported dead,
     dropped from the group and the push repeated without it."""
+    receive_buffers: int = 2
+    """Receive slots per generator: 2 lets version v + 1 arrive while v waits for the engine's step boundary
+    (the learner never waits for a swap) at the cost of a second copy of the weights per generator; 1 makes
+    the next push wait until the last one is loaded."""
 
 
 @dataclass
@@ -341,6 +353,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "train.objective.aggregation": ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"),
     "train.objective.kl_estimator": ("k1", "k2", "k3"),
     "train.advantage": ("grpo", "dr_grpo", "rloo", "reinforce_pp"),
+    "train.drop_zero_advantage": ("auto", "on", "off"),
     "train.algorithm": ("grpo", "ppo", "online_dpo"),
     "generator.update_mode": ("in_flight", "drain"),
     "buffer.store": ("memory", "redis"),
@@ -432,6 +445,15 @@ def _get(cfg: Config, dotted: str) -> Any:
     return value
 
 
+def drops_zero_advantage(train: TrainConfig) -> bool:
+    """Whether the buffer drops groups whose rewards are all equal (``train.drop_zero_advantage``): with a
+    group baseline (grpo, dr_grpo, rloo) and no KL term such a group contributes nothing to the gradient."""
+    if train.drop_zero_advantage != "auto":
+        return train.drop_zero_advantage == "on"
+    return (train.algorithm == "grpo" and train.advantage in ("grpo", "dr_grpo", "rloo")
+            and train.objective.kl_coef == 0)
+
+
 def validate(cfg: Config) -> Config:
     """Check ranges and choices; raises ConfigError naming the key and what it accepts."""
     for key in POSITIVE:
@@ -476,6 +498,10 @@ def validate(cfg: Config) -> Config:
         raise ConfigError("train.objective.is_cap must exceed 1 and is_floor lie in [0, 1)")
     if not 0.0 <= cfg.task.sft_forget_carry <= 1.0:
         raise ConfigError(f"task.sft_forget_carry must lie in [0, 1], got {cfg.task.sft_forget_carry}")
+    if cfg.sync.receive_buffers not in (1, 2):
+        raise ConfigError(f"sync.receive_buffers must be 1 or 2, got {cfg.sync.receive_buffers}")
+    if cfg.generator.min_swap_interval_s < 0:
+        raise ConfigError(f"generator.min_swap_interval_s must be 0 or more, got {cfg.generator.min_swap_interval_s}")
     if cfg.generator.temperature <= 0:
         raise ConfigError("generator.temperature must be above 0 for training rollouts")
     _check_cpus(cfg)

@@ -186,11 +186,15 @@ class Fleet:
             self.counters["added"] += 1
             self._event("added", gen, start_s=round(time.time() - t0, 1))
 
+    def member_id(self, gen: int) -> str:
+        """The push-group member id of generator ``gen``'s current incarnation."""
+        return f"gen{gen}.{self.incarnation[gen]}" if self.incarnation[gen] else f"gen{gen}"
+
     def _join(self, gen: int, handle: Any) -> None:
         """Late join under a fresh member id: the generator loads the next version before it serves."""
         self.incarnation[gen] += 1
         self._joined_at[gen] = time.monotonic()
-        self.cluster.join_late(f"gen{gen}.{self.incarnation[gen]}", handle)
+        self.cluster.join_late(self.member_id(gen), handle)
         self._start_stream(gen, handle)
 
     def heal(self, learner_version: int) -> None:
@@ -204,7 +208,7 @@ class Fleet:
                 continue
             self.incarnation[gen] += 1
             self._joined_at[gen] = time.monotonic()
-            self.cluster.join_late(f"gen{gen}.{self.incarnation[gen]}", handle)
+            self.cluster.join_late(self.member_id(gen), handle)
             self.counters["rejoins"] += 1
             self._event("rejoined", gen, lag=lag)
 
@@ -212,6 +216,7 @@ class Fleet:
         import ray
 
         handle = self.handles[gen]
+        self.cluster.generator_died(self.member_id(gen))  # no push waits for the dead process meanwhile
         was_draining = self.draining.pop(gen, None) is not None
         lost_slots = int(self.last_stats.get(gen, {}).get("in_flight", 0))
         self._event("died", gen, error=type(exc).__name__, in_flight=lost_slots,

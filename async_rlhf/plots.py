@@ -7,10 +7,13 @@ from typing import Any
 
 from async_rlhf.timeline import busy_fraction
 
-BUSY = {"generator": ("generate", "reward_and_put"), "learner": ("compute", "push")}
+BUSY = {"generator": ("generate", "reward_and_put"),
+        "learner": ("collate", "forward_backward", "optimizer", "push", "metrics", "checkpoint")}
+"""States that are work; waiting (wait_data, ack, push_wait, wait_admission, ...) never counts as busy."""
 COLORS = {"generate": "tab:green", "reward_and_put": "tab:olive", "wait_admission": "lightgray",
-          "paused_for_push": "tab:red", "compute": "tab:blue", "push": "tab:purple", "wait_data": "tab:gray",
-          "wait_env_or_reward": "tab:cyan", "checkpoint": "tab:brown"}
+          "paused_for_push": "tab:red", "collate": "tab:cyan", "forward_backward": "tab:blue",
+          "optimizer": "navy", "push": "tab:purple", "push_wait": "tab:red", "wait_data": "tab:gray",
+          "ack": "silver", "metrics": "tab:pink", "wait_env_or_reward": "tab:cyan", "checkpoint": "tab:brown"}
 
 
 def _pyplot() -> Any:

@@ -124,7 +124,7 @@ class Cluster:
         port = free_port()
         self.layout, self.push_port = layout, port
         ids = [f"gen{i}" for i in range(cfg.generators)]
-        ray.get([self.learners[0].init_weight_sync.remote("127.0.0.1", port, dict(zip(ids, self.generators)))]
+        ray.get([self.learners[0].init_weight_sync.remote("127.0.0.1", port, ids)]
                 + [g.init_weight_sync.remote("127.0.0.1", port, mid, layout) for mid, g in zip(ids, self.generators)])
 
     def _placement_groups(self) -> dict[str, Any]:
@@ -151,11 +151,15 @@ class Cluster:
         return handle
 
     def join_late(self, member_id: str, handle: Any) -> None:
-        """Admit a started (or restarted) generator to the push group; it takes the next version first."""
+        """Admit a started (or restarted) generator to the push group; it takes the next version first (its
+        join request reaches the sender through the push group's store, admitted at the next push)."""
         import ray
 
-        ray.get(self.learners[0].register_generator.remote(member_id, handle))
         ray.get(handle.init_weight_sync.remote("127.0.0.1", self.push_port, member_id, self.layout, late=True))
+
+    def generator_died(self, member_id: str) -> None:
+        """Tell the pushing learner that this member is gone, so no push waits for it (fire and forget)."""
+        self.learners[0].drop_generators.remote([member_id])
 
     def close(self) -> None:
         """Kill this run's actors but keep Ray up (experiments run several clusters in one Ray session)."""
@@ -277,6 +281,8 @@ def train(cfg: Config, cluster: Cluster, run_dir: Path, resume: Path | None = No
                 if gen_stats:  # how long generators stand still per weight update (the slowest one)
                     rec.update({f"sync/gen_{k}": max(float(s.get(f"sync/{k}", 0.0)) for s in gen_stats)
                                 for k in ("pause_s_last", "pause_s_mean")})
+                    rec["sync/gen_coalesced"] = sum(float(s.get("sync/coalesced", 0.0)) for s in gen_stats)
+                    rec["sync/gen_updates"] = sum(float(s.get("updates", 0.0)) for s in gen_stats)
                 progress.before_write(rec)
                 writer.write(rec, rec["step"])
                 progress.after_write(rec)
@@ -335,7 +341,25 @@ def write_timeline(figures: dict[str, Any], run_dir: Path) -> dict[str, float]:
     fractions: dict[str, list[float]] = {}
     for tl in timelines:
         fractions.setdefault(str(tl["role"]).split()[0], []).append(role_busy_fraction(tl))
-    return {f"{kind}_busy_fraction": sum(v) / len(v) for kind, v in fractions.items()}
+    return {**{f"{kind}_busy_fraction": sum(v) / len(v) for kind, v in fractions.items()},
+            **learner_fractions([tl for tl in timelines if str(tl["role"]).startswith("learner")])}
+
+
+def learner_fractions(learners: list[dict[str, Any]]) -> dict[str, float]:
+    """Mean over learner ranks of the share of wall time spent computing on batches
+    (``learner_compute_fraction``) and waiting for a weight push beyond its own transfer, i.e. for the push
+    thread to finish before the optimizer step (``learner_push_wait_fraction``)."""
+    from async_rlhf.learner.actor import COMPUTE
+
+    if not learners:
+        return {}
+    out = {"learner_compute_fraction": 0.0, "learner_push_wait_fraction": 0.0}
+    for tl in learners:
+        totals = tl["totals"]
+        wall = sum(totals.values()) or 1.0
+        out["learner_compute_fraction"] += sum(totals.get(k, 0.0) for k in COMPUTE) / wall / len(learners)
+        out["learner_push_wait_fraction"] += totals.get("push_wait", 0.0) / wall / len(learners)
+    return out
 
 
 def run(cfg: Config, address: str | None = None, cache_root: Path = Path("runs/cache"),

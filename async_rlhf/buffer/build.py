@@ -7,7 +7,7 @@ from async_rlhf.buffer.curve import CurveClientKeys, CurveServerKeys, parse_keys
 from async_rlhf.buffer.logic import BufferLogic
 from async_rlhf.buffer.service import BufferService
 from async_rlhf.buffer.store import make_store
-from async_rlhf.config import BufferConfig, Config
+from async_rlhf.config import BufferConfig, Config, drops_zero_advantage
 
 
 def build_logic(cfg: Config) -> BufferLogic:
@@ -15,7 +15,8 @@ def build_logic(cfg: Config) -> BufferLogic:
     store = make_store(b.store, url=b.redis_url, prefix=b.redis_prefix, retry_s=b.redis_retry_s)
     return BufferLogic(store, groups_per_version=cfg.train.batch_size * cfg.train.push_every,
                        max_staleness=cfg.train.max_staleness, capacity=b.capacity, policy=b.policy,
-                       visibility_timeout_s=b.visibility_timeout_s, reward_deadline_s=b.reward_deadline_s)
+                       visibility_timeout_s=b.visibility_timeout_s, reward_deadline_s=b.reward_deadline_s,
+                       drop_zero_advantage=drops_zero_advantage(cfg.train))
 
 
 def server_keys(b: BufferConfig) -> CurveServerKeys | None:

@@ -28,6 +28,8 @@ class Envelope(NamedTuple):
     min_version: int
     num_samples: int
     num_tokens: int
+    uniform_reward: bool = False
+    """Every sample has the same reward (a group baseline gives each a zero advantage)."""
 
 
 def _array(obj: Any, name: str, ndim: int | None = 1) -> int:
@@ -86,6 +88,7 @@ def inspect_group(obj: Any) -> Envelope:
         raise WireError("malformed", "group field meta must be a map")
     min_version: int | None = None
     tokens = 0
+    rewards = set()
     for i, s in enumerate(samples):
         if type(s) is not dict:
             raise WireError("malformed", f"sample {i} must be a map")
@@ -101,6 +104,7 @@ def inspect_group(obj: Any) -> Envelope:
         reward = get("reward")
         if type(reward) is not float and type(reward) is not int:
             raise WireError("malformed", f"sample {i} reward must be a number, got {reward!r}")
+        rewards.add(reward)
         if mask is not None and (mask["dtype"] != "uint8" or mask["data"].translate(None, b"\x00\x01")):
             raise WireError("malformed", f"sample {i} loss_mask must be uint8 zeros and ones")
         if token_rewards is not None and token_rewards["dtype"] != "float32":
@@ -119,4 +123,4 @@ def inspect_group(obj: Any) -> Envelope:
         meta = obj.get("meta") or {}
         start = meta.get("start_version", 0)
         min_version = start if type(start) is int else 0
-    return Envelope(gid, min_version, len(samples), tokens)
+    return Envelope(gid, min_version, len(samples), tokens, len(rewards) == 1)

@@ -43,12 +43,17 @@ class BufferLogic:
     """Everything the service decides; unit tests drive it directly."""
 
     def __init__(self, store: MemoryStore, groups_per_version: int, max_staleness: int, *, capacity: int = 0,
-                 policy: str = "fifo", visibility_timeout_s: float = 600.0, reward_deadline_s: float = 60.0) -> None:
+                 policy: str = "fifo", visibility_timeout_s: float = 600.0, reward_deadline_s: float = 60.0,
+                 drop_zero_advantage: bool = False) -> None:
+        """``drop_zero_advantage``: a complete group whose rewards are all equal is dropped as soon as it is
+        put or rewarded (reason ``zero_advantage``, its admission slot goes back to the generators), so
+        learners only get groups that carry a gradient under a group baseline (DAPO's dynamic sampling)."""
         if capacity < 0:
             raise ValueError(f"buffer.capacity must be 0 (unbounded) or more, got {capacity}")
         if not reward_deadline_s > 0:
             raise ValueError(f"buffer.reward_deadline_s must be above 0, got {reward_deadline_s}")
         self.reward_deadline_s = reward_deadline_s
+        self.drop_zero_advantage = drop_zero_advantage
         self._admits: OrderedDict[str, dict[str, Any]] = OrderedDict(
             (rid, {"granted": g, "version": v}) for rid, (g, v) in store.admits().items())
         self.store = store
@@ -196,6 +201,9 @@ class BufferLogic:
                 self.counters["put_awaiting_reward"] += len(fresh)
             self.store.put_many(fresh, self._meta(), awaiting=bool(rewards_pending))
             self.put_rate.add(len(fresh))
+            if self.drop_zero_advantage and not rewards_pending:
+                self._drop_uninformative([env.group_id for env, _ in checked if env.uniform_reward
+                                          and env.group_id in taken])
         else:  # duplicates or "full" only: persist their counters (a durable store reloads them)
             self.store.save_meta(self._meta())
         return status
@@ -220,12 +228,22 @@ class BufferLogic:
         if len(rewards) != group.num_samples:
             raise WireError("malformed", f"group {group_id} has {group.num_samples} samples but {len(rewards)} "
                                          "rewards were given; send exactly one reward per sample, in sample order")
+        self.counters["rewarded"] += 1
+        if self.drop_zero_advantage and len(set(rewards)) == 1:
+            self._drop_uninformative([group_id])
+            return {"ok": True, "dropped": "zero_advantage"}
         wire = group.wire
         for sample, r in zip(wire["samples"], rewards, strict=True):
             sample["reward"] = float(r)
-        self.counters["rewarded"] += 1
         self.store.reward(group_id, msgpack.packb(wire, use_bin_type=True), self._meta())
         return {"ok": True}
+
+    def _drop_uninformative(self, group_ids: list[str]) -> None:
+        """Drop complete groups whose rewards are all equal (reason ``zero_advantage``)."""
+        if group_ids:
+            self.admission.dropped(len(group_ids))
+            self.counters["dropped_zero_advantage"] += len(group_ids)
+            self.store.drop(group_ids, "zero_advantage", self._meta())
 
     def expire_rewards(self, now: float | None = None) -> int:
         """Drop (reason ``reward_timeout``) every group still awaiting its reward after the deadline."""

@@ -1,7 +1,9 @@
 """Generator actor: one vLLM engine, a prompt stream, and the loop that keeps requests in flight.
 
-    loop (one thread; Ray calls such as request_update/stats run on other threads and only set flags)
-    +-> weight update pending?  in_flight: load now, between two engine steps
+    loop (one thread; Ray calls such as stats/stop run on other threads and only read or set flags)
+    +-> a new version staged?   (the worker's fetch thread receives every push on its own, unannounced)
+    |                           in_flight: load it between two engine steps (at most every
+    |                           min_swap_interval_s unless it lags by max_staleness; newer ones coalesce)
     |                           drain: stop admitting, load once nothing is in flight
     |   fewer than groups_in_flight groups?  prompts ready? ask the buffer to admit more (staleness rule)
     |   held-out eval due (generator 0)?     add greedy requests to the same engine
@@ -42,6 +44,8 @@ from async_rlhf.timeline import Timeline
 log = logging.getLogger(__name__)
 
 EVAL_PREFIX = "eval:"
+UPDATE_POLL_S = 0.005
+"""How often the loop asks the worker whether a new version has arrived (a collective_rpc round trip)."""
 
 
 class GeneratorActor:
@@ -72,7 +76,7 @@ class GeneratorActor:
         """Prompt groups admitted and not yet put (``GroupRunner.groups`` while the loop runs)."""
         self.version = 0
         self._lock = threading.Lock()
-        self._pending_version: int | None = None
+        self._awaiting_first = False  # a late joiner serves nothing before its first version
         self._stop = threading.Event()
         self._draining = threading.Event()
         self._running = threading.Event()
@@ -98,19 +102,17 @@ class GeneratorActor:
 
     def init_weight_sync(self, host: str, port: int, member_id: str, layout: list[dict[str, Any]],
                          late: bool = False) -> None:
-        """Join the push group as ``member_id``; a late joiner takes the next version before it serves."""
-        self.llm.collective_rpc("init_receiver", args=(host, port, member_id, layout, self.cfg.sync.backend,
-                                                       self.cfg.sync.timeout_s))
+        """Join the push group as ``member_id`` and start receiving every push in the background; a late
+        joiner takes the next version before it serves."""
+        sync = self.cfg.sync
+        self.llm.collective_rpc("init_receiver", args=(host, port, member_id, layout, sync.backend, sync.timeout_s,
+                                                       sync.receive_buffers))
         if late:
             with self._lock:
-                self._pending_version = -1  # the loop receives the learner's next version first
+                self._awaiting_first = True  # the loop receives the learner's next version first
         else:
-            self.llm.collective_rpc("join_push_group", args=(self.cfg.sync.timeout_s,))
-
-    def request_update(self, version: int) -> None:
-        """Learner rank 0 is about to push ``version``; the loop starts receiving it in the background."""
-        with self._lock:
-            self._pending_version = version
+            self.llm.collective_rpc("join_push_group", args=(sync.timeout_s,))
+        self.llm.collective_rpc("start_fetching", kwargs={"timeout_s": sync.timeout_s})
 
     def stop(self, drain: bool = False) -> None:
         """End the loop; with ``drain``, admit nothing more and end once every group in flight is put."""
@@ -177,23 +179,28 @@ class GeneratorActor:
         eval_version = -1
         eval_pending = 0
         last_refused = 0.0
+        last_poll, staged = 0.0, None
+        self._last_swap = time.monotonic()
         self._running.set()
         try:
             while not self._stop.is_set() and not (self._draining.is_set() and len(self._groups) == 0):
-                # 1) weight update: received on a worker thread while the engine keeps generating, swapped
-                #    in at a step boundary (in_flight) or once nothing is in flight (drain)
-                with self._lock:
-                    pending = self._pending_version
+                # 1) weight update: received by the worker's fetch thread while the engine keeps generating,
+                #    swapped in at a step boundary (in_flight) or once nothing is in flight (drain)
                 drain = gen_cfg.update_mode == "drain"
-                if pending is not None:
-                    staged = self.llm.collective_rpc("stage_update", kwargs={"timeout_s": self.cfg.sync.timeout_s})[0]
-                    if staged and eval_pending == 0 and (not drain or len(self._groups) == 0):
-                        self._load_version(pending)
-                        continue
-                    if pending < 0:  # a late joiner serves nothing before its first version
-                        self.timeline.enter("paused_for_push")
-                        time.sleep(0.002)
-                        continue
+                now = time.monotonic()
+                if now - last_poll >= UPDATE_POLL_S or self._awaiting_first:
+                    last_poll = now
+                    staged = self.llm.collective_rpc("staged_version")[0]
+                pending = staged is not None
+                if pending and eval_pending == 0 and (not drain or len(self._groups) == 0) and (
+                        self._awaiting_first or self._swap_due(staged, now)):
+                    self._load_version()
+                    staged = None
+                    continue
+                if self._awaiting_first:  # a late joiner serves nothing before its first version
+                    self.timeline.enter("paused_for_push")
+                    time.sleep(0.002)
+                    continue
                 # 2) held-out eval on generator 0 when its version reaches a multiple of eval_every
                 if (self.gen_id == 0 and gen_cfg.eval_every and eval_pending == 0
                         and self.version % gen_cfg.eval_every == 0 and self.version != eval_version):
@@ -203,7 +210,7 @@ class GeneratorActor:
                         eval_pending += 1
                 # 3) admission
                 want = gen_cfg.groups_in_flight - len(self._groups)
-                if (want > 0 and not (pending is not None and drain) and not self._draining.is_set()
+                if (want > 0 and not (pending and drain) and not self._draining.is_set()
                         and time.monotonic() - last_refused > 0.005):
                     want = min(want, problems.reissue_left + source.prefetch(want))  # prompts ready now
                     granted = with_retry(lambda: client.admit(want), "admit", patience)[0] if want else 0
@@ -265,21 +272,28 @@ class GeneratorActor:
                 rewards.close()
         return self.stats()
 
-    def _load_version(self, version: int) -> None:
+    def _swap_due(self, staged: int, now: float) -> bool:
+        """Whether to load the staged version now: every ``generator.min_swap_interval_s`` at most, unless
+        the engine already lags it by ``train.max_staleness`` versions (its tokens would soon be too stale)."""
+        lag = staged - self.version
+        return staged < 0 or now - self._last_swap >= self.cfg.generator.min_swap_interval_s or (
+            lag >= max(1, self.cfg.train.max_staleness))
+
+    def _load_version(self) -> None:
         self.timeline.enter("paused_for_push")
+        self._last_swap = time.monotonic()
         try:
             received = self.llm.collective_rpc("apply_update")[0]  # sync/pause_s: the swap itself
-        except Exception as exc:  # timeout, excluded or a broken group: stay pending, fetch again
-            log.warning("generator %d: weight update to version %d failed, retrying: %s", self.gen_id, version, exc)
+        except Exception as exc:  # a failed fetch, or a load error: the fetch thread goes on with the next push
+            log.warning("generator %d: weight update failed, waiting for the next version: %s", self.gen_id, exc)
             with self._lock:
                 self.counters["update_failures"] += 1
             return
         with self._lock:
             self.version = int(received["version"])  # what actually arrived (a late joiner's first version)
-            if self._pending_version is not None and self._pending_version <= self.version:
-                self._pending_version = None
+            self._awaiting_first = False
             self.counters["updates"] += 1
-            # time this engine stood still for the update (receiver side: header wait, transfer, load, ack)
+            # time this engine stood still for the update (receiver side: the load into the engine)
             pause = float(received["sync/pause_s"])
             c = self.counters
             c["sync/pause_s_sum"] = c.get("sync/pause_s_sum", 0.0) + pause
@@ -287,6 +301,7 @@ class GeneratorActor:
             c["sync/pause_s_last"] = pause
             c["sync/pause_s_mean"] = c["sync/pause_s_sum"] / c["updates"]
             c["sync/transfer_s_last"] = float(received["sync/transfer_s"])
+            c["sync/coalesced"] = float(received.get("sync/coalesced", 0.0))
 
     def _record_eval(self, version: int, outputs: dict[str, str]) -> None:
         prompts = self._heldout

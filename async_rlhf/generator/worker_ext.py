@@ -1,4 +1,4 @@
-"""vLLM worker extension: receives a pushed version and loads it into the running engine in place.
+"""vLLM worker extension: receives pushed versions and loads them into the running engine in place.
 
 vLLM instantiates this class as a mixin of its worker (``LLM(worker_extension_cls=...)``) and
 ``llm.collective_rpc("name", args=...)`` calls its methods inside the worker, where
@@ -9,14 +9,19 @@ vLLM instantiates this class as a mixin of its worker (``LLM(worker_extension_cl
     collective_rpc("init_receiver", ...)    --->  connect to the sender's store (no group yet)
     initial member:
       collective_rpc("join_push_group")     --->  wait until the sender forms the group
-    late joiner / restarted generator, before serving anything:
-      collective_rpc("receive_update")      --->  join at the sender's next push and load that version
-    at each update, while the engine keeps generating:
-      collective_rpc("stage_update")        --->  a thread receives every chunk into the buffer, acks
-      ... until it returns True, then between two engine steps:
-      collective_rpc("apply_update")        --->  reload_weights from the buffer, redo the tied
-                                                  lm_head's packing, mark the version live
-    (receive_update does both, standing still: tests and a late joiner before it serves)
+    collective_rpc("start_fetching")        --->  a thread receives every push, back to back, for good:
+                                                  chunks into a free slot, ack (the sender goes on), staged;
+                                                  nobody announces a push: the receives are already posted
+    engine loop, every few ms:
+      collective_rpc("staged_version")      --->  the newest staged version (None: nothing new)
+    ... then, between two engine steps:
+      collective_rpc("apply_update")        --->  reload_weights from that slot, redo the tied lm_head's
+                                                  packing, mark the version live
+    (a late joiner or a restarted generator: start_fetching, then apply_update before serving anything;
+     receive_update does both, standing still: tests)
+
+With two receive slots (``sync.receive_buffers``) the next version arrives while the engine still serves
+the last one; versions that arrive faster than the engine swaps are skipped (only the newest is loaded).
 """
 
 from __future__ import annotations
@@ -28,8 +33,9 @@ from typing import Any, Protocol
 
 import torch
 
+from async_rlhf.sync.group import SyncTimeout
 from async_rlhf.sync.layout import layout_from_wire
-from async_rlhf.sync.receiver import Receiver
+from async_rlhf.sync.receiver import Receiver, Staged
 
 
 class LikeWorker(Protocol):
@@ -52,14 +58,17 @@ def refresh_tied_lm_head(model: torch.nn.Module) -> None:
 
 class WeightSyncWorker:
     _receiver: Receiver | None = None
-    _stage_thread: threading.Thread | None = None
-    _stage_box: dict[str, Any] | None = None  # what the fetch thread left: "staged" or "error"
+    _fetcher: threading.Thread | None = None
+    _fetched: threading.Condition | None = None
+    _latest: Staged | None = None  # the newest version received whole and not yet applied
+    _fetch_error: BaseException | None = None  # the fetch loop's last failure, handed to apply_update
 
     # -- the push group with membership epochs (async_rlhf.sync.receiver.Receiver) ----------------
     def init_receiver(self: LikeWorker, host: str, port: int, member_id: str, layout: list[dict[str, Any]],
-                      backend: str = "gloo", timeout_s: float = 120.0) -> None:
+                      backend: str = "gloo", timeout_s: float = 120.0, buffers: int = 1) -> None:
         """Connect to the sender's store as ``member_id`` (a stable id such as ``gen0``)."""
-        self._receiver = Receiver(layout_from_wire(layout), member_id, host, port, backend, timeout_s)
+        self._receiver = Receiver(layout_from_wire(layout), member_id, host, port, backend, timeout_s,
+                                  buffers=buffers)
 
     def set_weight_layout(self: LikeWorker, layout: list[dict[str, Any]]) -> None:
         """Change the bucket layout (the sender must change it at the same version boundary)."""
@@ -69,39 +78,66 @@ class WeightSyncWorker:
         """Initial member: block until the sender forms the group; returns the epoch."""
         return self._get_receiver().join(timeout_s)
 
-    def stage_update(self: LikeWorker, timeout_s: float | None = None) -> bool:
-        """Start receiving the next pushed version on a background thread (once per update), into the
-        receiver's buffer: the engine keeps generating meanwhile. True once it has arrived (or failed);
-        then call :meth:`apply_update` between two engine steps."""
-        if self._stage_thread is None:
-            rx = self._get_receiver()
-            box: dict[str, Any] = {}
-            self._stage_box = box
+    def start_fetching(self: LikeWorker, timeout_s: float | None = None) -> None:
+        """Start the thread that receives every push for good (idempotent). A fetch that times out (no push
+        for ``timeout_s``) simply waits again; a failed one is kept for :meth:`apply_update` to raise, and
+        the next push is received as usual (the receiver joins again if it was dropped)."""
+        if self._fetcher is not None and self._fetcher.is_alive():
+            return
+        rx = self._get_receiver()
+        cond = self._fetched = threading.Condition()
 
-            def fetch() -> None:
+        def loop() -> None:
+            while True:
                 try:
-                    box["staged"] = rx.fetch(timeout_s)
+                    staged = rx.fetch(timeout_s, keep_staged=True)
+                except SyncTimeout:
+                    continue
                 except BaseException as exc:  # handed to apply_update, in the engine's thread
-                    box["error"] = exc
+                    with cond:
+                        self._fetch_error = exc
+                        cond.notify_all()
+                    time.sleep(0.05)
+                    continue
+                with cond:
+                    self._latest, self._fetch_error = staged, None
+                    cond.notify_all()
 
-            self._stage_thread = threading.Thread(target=fetch, name="weight-fetch", daemon=True)
-            self._stage_thread.start()
-        return not self._stage_thread.is_alive()
+        self._fetcher = threading.Thread(target=loop, name="weight-fetch", daemon=True)
+        self._fetcher.start()
 
-    def apply_update(self: LikeWorker, refresh_lm_head: bool = True) -> dict[str, Any]:
-        """Load the staged version into the engine (waits for the fetch if it is still running); returns
-        its version, epoch and timings. ``sync/pause_s`` is the time spent here: the engine's pause.
+    def staged_version(self: LikeWorker) -> int | None:
+        """The newest version received and not yet applied (-1: the last fetch failed), None if neither;
+        starts the fetch loop if needed. Cheap: the engine loop polls it."""
+        self.start_fetching()
+        with self._fetched:
+            if self._latest is not None:
+                return self._latest.version
+            return -1 if self._fetch_error is not None else None
+
+    def stage_update(self: LikeWorker, timeout_s: float | None = None) -> bool:
+        """Start receiving pushes (the fetch loop) if not started; True once a version has arrived whole (or
+        a fetch failed): then call :meth:`apply_update` between two engine steps."""
+        self.start_fetching(timeout_s)
+        return self.staged_version() is not None
+
+    def apply_update(self: LikeWorker, refresh_lm_head: bool = True, timeout_s: float | None = None) -> dict[str, Any]:
+        """Load the newest staged version into the engine (waits up to ``timeout_s`` for one if none has
+        arrived yet); returns its version, epoch and timings. ``sync/pause_s`` is the time spent here: the
+        engine's pause; ``sync/coalesced`` counts versions skipped so far because a newer one came first.
 
         ``refresh_lm_head=False`` skips the tied lm_head's re-processing: only tests use it, to show
         that it is needed. Raises what the fetch raised (timeout, excluded, aborted push)."""
         t0 = time.perf_counter()
-        thread, box = self._stage_thread, self._stage_box
-        if thread is None or box is None:
-            raise RuntimeError("no update is being received: call stage_update first")
-        thread.join()
-        self._stage_thread = None
-        if "error" in box:
-            raise box["error"]
+        rx = self._get_receiver()
+        self.start_fetching()
+        with self._fetched:
+            self._fetched.wait_for(lambda: self._latest is not None or self._fetch_error is not None,
+                                   timeout=timeout_s or rx.timeout_s)
+            staged, self._latest = self._latest, None
+            error, self._fetch_error = self._fetch_error, None
+        if staged is None:
+            raise error or SyncTimeout(f"no version arrived within {timeout_s or rx.timeout_s:g} s")
         runner = self.model_runner
 
         def load(weights: Iterator[tuple[str, torch.Tensor]]) -> None:
@@ -109,15 +145,16 @@ class WeightSyncWorker:
             if refresh_lm_head:
                 refresh_tied_lm_head(runner.get_model())
 
-        got = self._get_receiver().apply(box["staged"], load)
-        return {"version": got.version, "epoch": got.epoch, **got.metrics, "sync/pause_s": time.perf_counter() - t0}
+        got = rx.apply(staged, load)
+        return {"version": got.version, "epoch": got.epoch, **got.metrics, "sync/coalesced": float(rx.coalesced),
+                "sync/pause_s": time.perf_counter() - t0}
 
     def receive_update(self: LikeWorker, timeout_s: float | None = None,
                        refresh_lm_head: bool = True) -> dict[str, Any]:
         """Receive and load the next pushed version, standing still (``sync/pause_s``: all of it)."""
         t0 = time.perf_counter()
-        self.stage_update(timeout_s)
-        got = self.apply_update(refresh_lm_head)
+        self.start_fetching(timeout_s)
+        got = self.apply_update(refresh_lm_head, timeout_s)
         return {**got, "sync/pause_s": time.perf_counter() - t0}
 
     def _get_receiver(self: LikeWorker) -> Receiver:

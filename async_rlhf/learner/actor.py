@@ -1,11 +1,21 @@
 """Learner rank: one DeepSpeed engine (ZeRO 0-3), the training loop, and (rank 0) the weight push.
 
-    per step s (version v = s // push_every):
-      get batch_size/M groups from the buffer at version v   (stale ones are dropped there)
-      collate -> forward -> policy_loss (+ KL to the reference) -> backward -> optimizer step
-      ack the trained group ids
-      every push_every steps: v += 1; rank 0 tells generators "v is coming", broadcasts the weights,
-      waits for every acknowledgement, then tells the buffer v is live (admission opens one more batch)
+    per step s (version v = s // push_every); each line names what it waits for:
+      wait_data         get batch_size/M groups from the buffer at version v (stale ones are dropped there)
+      collate           pad and stack them
+      forward_backward  forward -> policy_loss (+ KL to the reference) -> backward
+      push_wait         rank 0: the push of v (started after the last step) must be out before ...
+      optimizer         ... the optimizer writes the parameters it sends from
+      ack               tell the buffer which groups were trained
+      metrics           build the step's record
+      every push_every steps: v += 1; rank 0 hands v to the push thread and goes on with step s + 1:
+        push thread:    broadcast the weights to every generator (their receives are already posted),
+                        one allreduce of acknowledgements, then tell the buffer v is held everywhere
+                        (admission opens one more batch)
+      nobody waits for a generator to swap v in: each does at its own step boundary (sync/gen_* metrics)
+
+Under ZeRO-3 the parameters are gathered collectively on every rank, so that push stays on the training
+thread (state ``push``).
 """
 
 from __future__ import annotations
@@ -16,6 +26,8 @@ import os
 import shutil
 import threading
 import time
+from collections import defaultdict
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +35,9 @@ from async_rlhf.config import Config
 from async_rlhf.timeline import Timeline
 
 log = logging.getLogger(__name__)
+
+COMPUTE = ("collate", "forward_backward", "optimizer")
+"""Learner states that are computation on the batch (``learner_compute_fraction``)."""
 
 
 @contextlib.contextmanager
@@ -109,8 +124,12 @@ class LearnerActor:
         self.metrics: list[dict[str, Any]] = []
         self._lock = threading.Lock()
         self._sender: Any = None
-        self._handles: dict[str, Any] = {}     # every generator ever registered: member id -> Ray handle
-        self._generators: dict[str, Any] = {}  # current members of the push group
+        self._pusher = ThreadPoolExecutor(1, thread_name_prefix="weight-push")
+        self._push_future: Future | None = None
+        self._push_client: Any = None  # the push thread's own buffer client (a ZeroMQ socket is one thread's)
+        self._push_metrics: dict[str, float] = {}  # of the pushes completed during the current step
+        self._sync_push: dict[str, float] = {}  # of the last push done on this thread (ZeRO-3)
+        self._step_times: defaultdict[str, float] = defaultdict(float)
         self.timeline = Timeline(f"learner {rank}")
         self._trained_by_step: dict[int, list[str]] = {}
         self._stop_at: int | None = None
@@ -126,69 +145,96 @@ class LearnerActor:
             self._buckets = push_layout(params, self.cfg.sync.bucket_mb << 20, self.cfg.learner.zero_stage)
         return layout_to_wire(self._buckets)
 
-    def init_weight_sync(self, host: str, port: int, generators: dict[str, Any]) -> None:
+    def init_weight_sync(self, host: str, port: int, member_ids: list[str]) -> None:
         """Rank 0 hosts the push group's TCPStore and forms the first epoch with every generator."""
         from async_rlhf.sync.sender import Sender
 
         self._sender = Sender(self._buckets, host, port, self.cfg.sync.backend, self.cfg.sync.timeout_s)
-        self._handles = dict(generators)
-        self._generators = dict(generators)
-        self._sender.form(list(generators))
+        self._sender.form(list(member_ids))
 
-    def register_generator(self, member_id: str, handle: Any) -> None:
-        """A (re)started generator: admitted, with the current weights, at the next version boundary."""
-        self._handles[member_id] = handle
-        self._generators[member_id] = handle
-
-    def _announce(self, version: int) -> None:
-        """Tell every member that ``version`` is coming; a generator whose actor is gone leaves the group."""
-        import ray
-
-        refs = {mid: g.request_update.remote(version) for mid, g in self._generators.items()}
-        for mid, ref in refs.items():
-            try:
-                ray.get(ref, timeout=self.cfg.sync.timeout_s)
-            except (ray.exceptions.RayError, TimeoutError) as exc:
-                log.error("generator %s did not take the update announcement (%s): dropped from the push group",
-                          mid, type(exc).__name__)
-                self._sender.drop([mid])
-                self._generators.pop(mid, None)
+    def drop_generators(self, member_ids: list[str]) -> None:
+        """The driver saw these generators' processes die: a push in flight aborts at once instead of waiting
+        ``sync.timeout_s`` for them, and the next push leaves them out (any thread)."""
+        if self._sender is not None:
+            self._sender.fail_members(member_ids)
 
     def _full_params(self):
         return full_params(self.engine, self.cfg.learner.zero_stage)
 
-    def _push(self, version: int) -> dict[str, float]:
+    def _send(self, params: dict[str, Any], version: int) -> dict[str, float]:
         """Push ``version`` to every live generator; a dead or hung one is named, dropped, and the push
         repeated on the rebuilt group, so training goes on without it."""
         from async_rlhf.sync.sender import PushError
 
-        with self._full_params() as params:
-            if self.rank != 0:
-                return {}
-            dropped: list[str] = []
-            for _ in range(len(self._handles) + 1):
-                self._announce(version)
-                try:
-                    metrics = self._sender.push(params, version)
-                    break
-                except PushError as err:
-                    log.error("%s: rebuilding the push group without %s", err, err.failed_members)
-                    self._sender.drop(err.failed_members)
-                    dropped += err.failed_members
-                    for mid in err.failed_members:
-                        self._generators.pop(mid, None)
-            else:
-                raise RuntimeError(f"the weight push of version {version} kept failing; see the errors above")
-            self._generators = {m: self._handles[m] for m in self._sender.members if m in self._handles}
-            # every generator holds v now and swaps it in at its next step boundary (drain: once drained);
-            # v is live when all have: recorded, not enforced (one still loading is not to blame)
-            live = self._sender.wait_live(self.cfg.sync.timeout_s)
-            times = [t for t in live.values() if isinstance(t, float)]
-            if len(times) < len(self._sender.members):
-                log.warning("version %d is not live everywhere after %.0fs: %s", version, self.cfg.sync.timeout_s,
-                            {m: live.get(m, "still loading") for m in self._sender.members})
-            return {**metrics, "sync/dropped": float(len(dropped)), "sync/live_members": float(len(times)),
-                    "sync/live_time": max(times, default=0.0)}
+        dropped: list[str] = []
+        for _ in range(len(self._sender.members) + 2):
+            try:
+                metrics = self._sender.push(params, version)
+                break
+            except PushError as err:
+                log.error("%s: rebuilding the push group without %s", err, err.failed_members)
+                self._sender.drop(err.failed_members)
+                dropped += err.failed_members
+        else:
+            raise RuntimeError(f"the weight push of version {version} kept failing; see the errors above")
+        return {**metrics, "sync/dropped": float(len(dropped))}
+
+    def _publish(self, version: int) -> None:
+        """Tell the buffer that every generator holds ``version`` (admission opens one more batch)."""
+        from async_rlhf.buffer.build import make_client
+        from async_rlhf.buffer.client import with_retry
+
+        if self._push_client is None:
+            self._push_client = make_client(self.cfg, self.buffer_address, consumer=f"learner-{self.rank}-push")
+        patience = self.cfg.buffer.redis_retry_s + self.cfg.buffer.request_timeout_s
+        with_retry(lambda: self._push_client.set_version(version), "set_version", patience)
+
+    def _start_push(self, version: int) -> None:
+        """Hand ``version`` to the push thread (rank 0) and return at once; under ZeRO-3 gather and push
+        here (every rank takes part in the gather)."""
+        self._await_push()
+        if self.cfg.learner.zero_stage == 3:
+            with self._phase("push"), self._full_params() as params:
+                if self.rank == 0:
+                    self._sync_push = self._send(params, version)
+                    self._publish(version)
+            return
+        if self.rank != 0:
+            return
+        params = dict(self.engine.module.named_parameters())
+
+        def push() -> dict[str, float]:
+            metrics = self._send(params, version)
+            self._publish(version)
+            return metrics
+
+        self._push_future = self._pusher.submit(push)
+
+    def _await_push(self) -> dict[str, float]:
+        """Wait for the push in flight, if any (state ``push_wait``: the only time the learner waits on the
+        fleet); returns its metrics. Raises what the push raised."""
+        done, self._sync_push = self._sync_push, {}
+        future, self._push_future = self._push_future, None
+        if future is None:
+            return done
+        with self._phase("push_wait"):
+            return future.result()
+
+    @contextlib.contextmanager
+    def _phase(self, name: str):
+        """Time a phase of the step (its timeline state and ``time/<name>_s`` in the step's record)."""
+        self.timeline.enter(name)
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._step_times[name] += time.perf_counter() - t0
+
+    def _optimizer_step(self) -> None:
+        """The optimizer writes the parameters the push thread sends from: that push must be out first."""
+        self._push_metrics.update(self._await_push())
+        with self._phase("optimizer"):
+            self.engine.step()
 
     # -- training ----------------------------------------------------------------------------
     def train(self, steps: int) -> dict[str, Any]:
@@ -208,54 +254,60 @@ class LearnerActor:
                 if self._stop_at is not None and self.step >= self._stop_at:
                     break
                 t0 = time.perf_counter()
+                self._step_times.clear()
                 trained_at = self.version
                 groups = []
-                self.timeline.enter("wait_data")
-                while len(groups) < share:
-                    want = share - len(groups)
-                    groups += with_retry(lambda: client.get(want, self.version, wait_s=2.0), "get", patience)
-                t_data = time.perf_counter()
-                self.timeline.enter("compute")
-                batch = collate(groups, self.pad_id, cfg.train.advantage)
+                with self._phase("wait_data"):
+                    while len(groups) < share:
+                        want = share - len(groups)
+                        groups += with_retry(lambda: client.get(want, self.version, wait_s=2.0), "get", patience)
+                with self._phase("collate"):
+                    batch = collate(groups, self.pad_id, cfg.train.advantage)
                 m = self._update(batch, [len(g.samples) for g in groups])
-                with_retry(lambda: client.ack(batch.group_ids), "ack", patience)
+                with self._phase("ack"):
+                    with_retry(lambda: client.ack(batch.group_ids), "ack", patience)
                 self.step += 1
                 with self._lock:
                     self._trained_by_step[self.step] = list(batch.group_ids)
-                t_train = time.perf_counter()
-                push: dict[str, float] = {}
                 if self.step % cfg.train.push_every == 0:
-                    self.timeline.enter("push")
-                    push = self._push(self.version + 1)
-                    self.version += 1
-                    if self.rank == 0:
-                        with_retry(lambda: client.set_version(self.version), "set_version", patience)
-                t_end = time.perf_counter()
-                stale = trained_at - batch.versions[batch.loss_mask > 0]
-                if correction_saturated(m):
-                    log.warning("step %d: importance weights saturate the correction (%s); samples are too "
-                                "off-policy for is_cap=%s", self.step, m, cfg.train.objective.is_cap)
-                record = {
-                    "step": self.step, "version": self.version, "rank": self.rank, "time": time.time(),
-                    "optim/lr": cfg.train.lr,
-                    "rollout/reward_mean": float(batch.rewards.mean().item()),
-                    "rollout/samples": len(batch.rewards), "rollout/tokens": batch.num_tokens,
-                    "rollout/observation_tokens": batch.observation_tokens,
-                    "staleness/mean": float(stale.float().mean().item()) if stale.numel() else 0.0,
-                    "staleness/max": int(stale.max().item()) if stale.numel() else 0,
-                    "time/data_wait_s": t_data - t0, "time/train_s": t_train - t_data, "time/push_s": t_end - t_train,
-                    **m, **push,
-                }
+                    self.version += 1  # these weights are version v + 1; the push thread sends them
+                    self._start_push(self.version)
+                push, self._push_metrics = self._push_metrics, {}
+                push.update(self._await_push() if self.cfg.learner.zero_stage == 3 else {})
+                with self._phase("metrics"):
+                    stale = trained_at - batch.versions[batch.loss_mask > 0]
+                    if correction_saturated(m):
+                        log.warning("step %d: importance weights saturate the correction (%s); samples are too "
+                                    "off-policy for is_cap=%s", self.step, m, cfg.train.objective.is_cap)
+                    record = {
+                        "step": self.step, "version": self.version, "rank": self.rank, "time": time.time(),
+                        "optim/lr": cfg.train.lr,
+                        "rollout/reward_mean": float(batch.rewards.mean().item()),
+                        "rollout/samples": len(batch.rewards), "rollout/tokens": batch.num_tokens,
+                        "rollout/observation_tokens": batch.observation_tokens,
+                        "staleness/mean": float(stale.float().mean().item()) if stale.numel() else 0.0,
+                        "staleness/max": int(stale.max().item()) if stale.numel() else 0,
+                        **m, **push,
+                    }
                 every = cfg.run.checkpoint_every
                 if (every and self.step % every == 0) or _ == steps - 1 or self.step == self._stop_at:
-                    self.timeline.enter("checkpoint")
-                    record["checkpoint/step"] = self.step
-                    record["checkpoint/save_s"] = self.save_checkpoint(str(staging_dir(cfg.run.dir, self.step)))
+                    with self._phase("checkpoint"):
+                        record["checkpoint/step"] = self.step
+                        record["checkpoint/save_s"] = self.save_checkpoint(str(staging_dir(cfg.run.dir, self.step)))
+                times = self._step_times
+                record.update({f"time/{k}_s": v for k, v in times.items()})
+                record.update({"time/data_wait_s": times["wait_data"], "time/train_s": sum(
+                    times[k] for k in COMPUTE), "time/push_s": times["push_wait"] + times["push"],
+                    "time/step_s": time.perf_counter() - t0})
                 with self._lock:
                     self.metrics.append(record)
+            self._await_push()  # the last version is out before train() returns
         finally:
             self.timeline.stop()
             client.close()
+            if self._push_client is not None:
+                self._push_client.close()
+                self._push_client = None
         return {"step": self.step, "version": self.version}
 
     def timeline_dict(self) -> dict[str, Any]:
@@ -287,35 +339,38 @@ class LearnerActor:
 
         prox_all = None
         if k > 1 and obj.kind not in ("ppo", "decoupled_ppo_interp"):
-            with torch.no_grad():
+            with self._phase("forward_backward"), torch.no_grad():
                 prox_all = forward(self.engine, slice(None))[1]
         adv = batch.advantages.unsqueeze(1).expand_as(batch.behav_logp)
         targets = None
         if self.ppo is not None:
             ref = self.ref_model
-            targets = self.ppo.prepare(batch, (lambda: forward(ref, slice(None))[1]) if ref is not None else None)
+            with self._phase("forward_backward"):
+                targets = self.ppo.prepare(batch, (lambda: forward(ref, slice(None))[1]) if ref is not None else None)
             adv = targets.advantages
         per_step: list[dict[str, float]] = []
         for j, idx in enumerate(torch.arange(batch.input_ids.shape[0]).chunk(k)):
-            logits, logp = forward(self.engine, idx)
-            mask = batch.loss_mask[idx]
-            prox = prox_all[idx] if prox_all is not None else (logp.detach() if k == 1 else None)
-            loss, m = policy_loss(logp, prox, batch.behav_logp[idx], adv[idx], mask, obj,
-                                  token_versions=batch.versions[idx], current_version=self.version + j / k,
-                                  prox_version=self.version)
-            if self.ref_model is not None and obj.kl_coef > 0:
-                with torch.no_grad():
-                    ref_logp = forward(self.ref_model, idx)[1]
-                kl = masked_mean(kl_penalty(logp, ref_logp, mask, obj.kl_estimator), mask)
-                loss = loss + obj.kl_coef * kl
-                m["ppo/kl_ref"] = float(kl.item())
-            self.engine.backward(loss)
-            self.engine.step()
-            if targets is not None:
-                m.update(self.ppo.train_critic(batch, idx, targets))
-            with torch.no_grad():
+            with self._phase("forward_backward"):
+                logits, logp = forward(self.engine, idx)
+                mask = batch.loss_mask[idx]
+                prox = prox_all[idx] if prox_all is not None else (logp.detach() if k == 1 else None)
+                loss, m = policy_loss(logp, prox, batch.behav_logp[idx], adv[idx], mask, obj,
+                                      token_versions=batch.versions[idx], current_version=self.version + j / k,
+                                      prox_version=self.version)
+                if self.ref_model is not None and obj.kl_coef > 0:
+                    with torch.no_grad():
+                        ref_logp = forward(self.ref_model, idx)[1]
+                    kl = masked_mean(kl_penalty(logp, ref_logp, mask, obj.kl_estimator), mask)
+                    loss = loss + obj.kl_coef * kl
+                    m["ppo/kl_ref"] = float(kl.item())
+                self.engine.backward(loss)
+            self._optimizer_step()
+            with self._phase("forward_backward"):
+                if targets is not None:
+                    m.update(self.ppo.train_critic(batch, idx, targets))
+            with self._phase("metrics"), torch.no_grad():
                 m["ppo/entropy"] = float(entropy_from_logits(logits[:, :-1], mask).item())
-            m["optim/loss"] = float(loss.item())
+                m["optim/loss"] = float(loss.item())
             per_step.append(m)
         merged: dict[str, float] = {}
         for key in per_step[0]:
@@ -345,13 +400,14 @@ class LearnerActor:
             rows = sorted({i for pair in chunk for i in pair}) or [0]
             local = {row: j for j, row in enumerate(rows)}
             ids, attn = batch.input_ids[rows], batch.attention_mask[rows]
-            with torch.no_grad():
-                ref_logp = token_logprobs(self.ref_model(input_ids=ids, attention_mask=attn).logits, ids)
-            logp = token_logprobs(self.engine(input_ids=ids, attention_mask=attn).logits, ids)
-            loss, m = online_dpo_loss(logp, ref_logp, batch.loss_mask[rows], [(local[c], local[r]) for c, r in chunk],
-                                      dpo.beta, dpo.label_smoothing)
-            self.engine.backward(loss)
-            self.engine.step()
+            with self._phase("forward_backward"):
+                with torch.no_grad():
+                    ref_logp = token_logprobs(self.ref_model(input_ids=ids, attention_mask=attn).logits, ids)
+                logp = token_logprobs(self.engine(input_ids=ids, attention_mask=attn).logits, ids)
+                loss, m = online_dpo_loss(logp, ref_logp, batch.loss_mask[rows],
+                                          [(local[c], local[r]) for c, r in chunk], dpo.beta, dpo.label_smoothing)
+                self.engine.backward(loss)
+            self._optimizer_step()
             m["optim/loss"] = float(loss.item())
             if chunk:  # the margin on the same pairs after the step: the step's own progress (a no-grad forward)
                 with torch.no_grad():

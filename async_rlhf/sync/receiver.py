@@ -1,9 +1,9 @@
 """Receiver side of the weight push (inside a generator's vLLM worker). Mirrors the sender.
 
-The receiver owns one byte buffer holding every bucket (allocated on the first push, reused by every
-later one), and receives the push's chunks straight into it: nothing is done per tensor during the
-transfer (the named views are built once per layout). An update has two phases, so that the engine
-stands still only for the second::
+The receiver owns ``buffers`` byte buffers (slots), each holding every bucket (allocated on first use,
+reused by every later push), and receives the push's chunks straight into one of them: nothing is done
+per tensor during the transfer (the named views are built once per layout and slot). An update has two
+phases, so that the engine stands still only for the second::
 
     fetch():  post recv(chunk 0..C-1) -> wait all -> ack (allreduce: learns v)  (engine keeps generating,
               (the first push of an epoch: wait(store hdr k) first)               fetch runs on a thread)
@@ -11,11 +11,19 @@ stands still only for the second::
                                                                                  two steps: the swap)
 
 The sender's push completes at the acks (every member holds v, byte-exact); v is live at each member
-once it has applied it. Loading starts only after the whole version has arrived: vLLM's layerwise
-reload keeps half-loaded layers on the meta device if its weight iterator raises, so a push aborted
-mid-way must never reach the engine. ``load`` receives an iterator of (name, tensor) and must consume it:
-vLLM's ``model_runner.reload_weights(weights_iterator=...)`` does, and so does a plain copy loop. The
-tensors are views into the buffer, valid until the next fetch, so ``load`` must copy them.
+once it has applied it. With two slots, a fetch that keeps the staged version (``keep_staged``, the
+generator's fetch loop) receives v + 1 into the other slot while v waits for the engine's next step
+boundary, so the sender never waits for a member to swap; if v + 1 arrives before v was applied, v is
+skipped (coalesced) and only v + 1 is loaded. With one slot such a fetch waits until v is applied.
+
+    slot states:   free --post--> receiving --acked--> staged --apply--> applying --done--> free
+                                                          '--a newer version staged (coalesced)--> free
+
+Loading starts only after the whole version has arrived: vLLM's layerwise reload keeps half-loaded
+layers on the meta device if its weight iterator raises, so a push aborted mid-way must never reach the
+engine. ``load`` receives an iterator of (name, tensor) and must consume it: vLLM's
+``model_runner.reload_weights(weights_iterator=...)`` does, and so does a plain copy loop. The tensors are
+views into a slot, valid until that slot receives again, so ``load`` must copy them.
 
 Usage in a generator's worker::
 
@@ -31,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -85,6 +94,7 @@ class Staged:
     version: int
     epoch: int
     k: int
+    slot: int
     metrics: dict[str, float]
 
 
@@ -96,10 +106,21 @@ class Received:
 
 
 class Receiver:
-    """A generator's end of the push group. Not thread-safe: call from one thread (the engine loop)."""
+    """A generator's end of the push group. :meth:`fetch` (and :meth:`prepost`) run on one thread, and
+    :meth:`apply` may run on another (the engine loop); the slots between them are guarded by a condition."""
 
     def __init__(self, buckets: list[Bucket], member_id: str, host: str, port: int, backend: str = "gloo",
-                 timeout_s: float = 120.0, slice_s: float = 0.2) -> None:
+                 timeout_s: float = 120.0, slice_s: float = 0.2, buffers: int = 1) -> None:
+        """``buffers``: receive slots (2: the next version arrives while the last one waits to be applied,
+        at the cost of a second copy of the weights here)."""
+        if buffers not in (1, 2):
+            raise ValueError(f"buffers must be 1 or 2, got {buffers}")
+        self.buffers = buffers
+        self._slots = threading.Condition()
+        self._staged_slot: int | None = None  # the newest version received and not yet taken by apply
+        self._applying: int | None = None
+        self.coalesced = 0
+        """Versions received and never applied because a newer one arrived first."""
         self.me = P.Member(member_id, "")
         P.decode_join(P.encode_join(self.me))  # validates the id (join() draws the nonce)
         self.backend, self.timeout_s, self.slice_s = backend, timeout_s, slice_s
@@ -115,8 +136,8 @@ class Receiver:
         has the same wire (the sender opens a new epoch to change it) and no store header, so its receives are
         posted at once (the fast path), into that buffer even if this member changed its layout since (it then
         refuses that push, once acknowledged)."""
-        self._posted: tuple[int, int, list[dist.Work]] | None = None
-        """Receives posted for push k of epoch e (they stay posted across a fetch that timed out)."""
+        self._posted: tuple[int, int, list[dist.Work], int] | None = None
+        """Receives posted for push k of epoch e into a slot (they stay posted across a fetch that timed out)."""
         self.use_layout(buckets)
         track(self)
 
@@ -139,19 +160,45 @@ class Receiver:
         self.buckets, self._offsets, self._arena_bytes = buckets, offsets, arena_bytes
         self.chunks: list[tuple[int, int]] = []  # the cut of the last push received (the sender's choice)
         self.layout_digest = digest
-        self._arena: torch.Tensor | None = None
-        self._views: list[list[tuple[str, torch.Tensor]]] = []
+        self._arenas: list[torch.Tensor | None] = [None] * self.buffers
+        self._views: list[list[list[tuple[str, torch.Tensor]]]] = [[] for _ in range(self.buffers)]
 
-    def arena(self) -> torch.Tensor:
-        """The byte buffer holding every bucket (the benchmark also receives its raw broadcast into it)."""
-        if self._arena is None:
-            self._arena = torch.empty(self._arena_bytes, dtype=torch.uint8)
-            self._views = [named_views(self._bucket_bytes(i), b) for i, b in enumerate(self.buckets)]
-        return self._arena
+    def arena(self, slot: int = 0) -> torch.Tensor:
+        """The byte buffer of ``slot``, holding every bucket (the benchmark also receives its raw broadcast
+        into slot 0)."""
+        raw = self._arenas[slot]
+        if raw is None:
+            raw = self._arenas[slot] = torch.empty(self._arena_bytes, dtype=torch.uint8)
+            self._views[slot] = [named_views(raw[off:off + b.nbytes], b) for off, b in zip(self._offsets, self.buckets)]
+        return raw
 
-    def _bucket_bytes(self, i: int) -> torch.Tensor:
-        off = self._offsets[i]
-        return self.arena()[off:off + self.buckets[i].nbytes]
+    # -- slots (see the module docstring) ----------------------------------------------------------
+    def _free_slot(self, keep_staged: bool) -> int | None:
+        """A slot to receive into: not being applied, not holding posted receives and, with ``keep_staged``,
+        not holding the newest staged version. Without it the staged slot is taken last (superseded)."""
+        posted = self._posted[3] if self._posted is not None else None
+        busy = {self._applying, posted}
+        free = [s for s in range(self.buffers) if s not in busy and s != self._staged_slot]
+        if free:
+            return free[0]
+        if not keep_staged and self._staged_slot is not None and self._staged_slot not in busy:
+            return self._staged_slot
+        return None
+
+    def _wait_for_slot(self, deadline: float) -> None:
+        """Block (the fetch thread) until a slot can take the next push without dropping the staged version."""
+        with self._slots:
+            while self._posted is None and self._free_slot(keep_staged=True) is None:
+                if left(deadline) <= 0:
+                    raise SyncTimeout("no free receive slot: the staged version was not applied in time")
+                self._slots.wait(min(left(deadline), 0.5))
+
+    def _staged_into(self, slot: int) -> None:
+        with self._slots:
+            if self._staged_slot is not None and self._staged_slot != slot:
+                self.coalesced += 1  # never applied: a newer version is here
+            self._staged_slot = slot
+            self._slots.notify_all()
 
     # -- membership ---------------------------------------------------------------------------------
     def join(self, timeout_s: float | None = None) -> int:
@@ -186,12 +233,14 @@ class Receiver:
                  len(members) + 1)
 
     # -- data path ----------------------------------------------------------------------------------
-    def fetch(self, timeout_s: float | None = None) -> Staged:
+    def fetch(self, timeout_s: float | None = None, keep_staged: bool = False) -> Staged:
         """Wait for the next push addressed to this member and receive all of it into the buffer; then
         acknowledge it (the sender may go on: the bytes are safe here). The engine is not touched, so it
         may keep generating meanwhile (from another thread); :meth:`apply` swaps the version in.
 
         Follows epoch changes on the way (and joins first if this member is not in the group yet).
+        ``keep_staged``: never receive into the slot of a staged version not yet applied (wait for a free
+        slot instead): the caller applies the newest staged version from another thread.
         Raises :class:`Excluded` if the sender dropped this member, :class:`ReceiveError` if this push
         failed here (the sender was told), :class:`SyncTimeout` if no push came within ``timeout_s``.
         """
@@ -202,7 +251,9 @@ class Receiver:
         while True:
             e, k = self.epoch, self._k
             expect = self._expect
-            self.prepost()  # the fast path: no store header
+            if keep_staged:
+                self._wait_for_slot(deadline)
+            self.prepost(keep_staged)  # the fast path: no store header
             header = self._next_header(e, k, deadline)
             if header is REJOINED:
                 continue
@@ -224,10 +275,15 @@ class Receiver:
                                     f"holds {self.layout_digest} (call use_layout on both sides at the same boundary)")
                 check_cut(list(header.cut), self.buckets)
                 self.chunks = list(header.cut)
-                self._posted = (e, k, self._post(self.chunks, self.arena()))
-            works = self._posted[2]
-            self._posted = None
+                with self._slots:
+                    slot = self._free_slot(keep_staged)
+                if slot is None:
+                    raise SyncError("no free receive slot for the push")
+                self._posted = (e, k, self._post(self.chunks, self.arena(slot)), slot)
+            works, slot = self._posted[2], self._posted[3]
             got = self._transfer(works, version, e, k, deadline)
+            with self._slots:
+                self._posted = None
             if header is not None and got != version:
                 raise SyncError(f"the acknowledgement carries version {got}, the store header said {version}")
             version = got
@@ -237,6 +293,9 @@ class Receiver:
                 raise SyncError(f"layout mismatch: the sender pushes layout {wire}, this member holds "
                                 f"{self.layout_digest} (call use_layout on both sides at the same boundary)")
         except Exception as exc:
+            with self._slots:
+                self._posted = None
+                self._slots.notify_all()
             self._expect = None
             self._report(e, k, exc)
             if acked_foreign:  # the sender thinks it delivered: join again, so that its next push rebuilds the
@@ -245,11 +304,12 @@ class Receiver:
             raise ReceiveError(f"member {self.me.id} failed to receive {what}: {exc}") from exc
         if header is None:
             self.chunks = expect[1]
-        self._expect = (e, self.chunks, self.arena(), self.layout_digest)
-        return Staged(version, e, k, {"sync/wait_header_s": t_header - t0, "sync/preposted": float(preposted),
+        self._expect = (e, self.chunks, self.arena(slot), self.layout_digest)
+        self._staged_into(slot)
+        return Staged(version, e, k, slot, {"sync/wait_header_s": t_header - t0, "sync/preposted": float(preposted),
                                       "sync/transfer_s": time.perf_counter() - t_header})
 
-    def prepost(self) -> bool:
+    def prepost(self, keep_staged: bool = False) -> bool:
         """Post the receives of this epoch's next push now, if that is possible (gloo, and this member received
         the epoch's last push); True if they are posted. :meth:`fetch` does it first thing; calling it earlier
         (after :meth:`apply`, say) means the sender never waits for this member to post. Receives left posted
@@ -259,7 +319,14 @@ class Receiver:
             if (self._pg is None or not expect or expect[0] != self.epoch or not expect[1]
                     or self.backend not in P.PREPOSTS):
                 return False
-            self._posted = (self.epoch, self._k, self._post(expect[1], expect[2]))
+            with self._slots:
+                slot = self._free_slot(keep_staged)
+                if slot is None:
+                    return False
+                # the epoch's wire; into the last push's buffer if this member changed its layout since (that
+                # push is then refused once acknowledged)
+                arena = self.arena(slot) if expect[3] == self.layout_digest else expect[2]
+                self._posted = (self.epoch, self._k, self._post(expect[1], arena), slot)
         return True
 
     def _post(self, chunks: list[tuple[int, int]], arena: torch.Tensor) -> list[dist.Work]:
@@ -338,10 +405,22 @@ class Receiver:
         and its next version overwrites every tensor.
         """
         t0 = time.perf_counter()
+        with self._slots:
+            self._applying = staged.slot
+            if self._staged_slot == staged.slot:
+                self._staged_slot = None
+        try:
+            return self._load(staged, load, per_bucket, t0)
+        finally:
+            with self._slots:
+                self._applying = None
+                self._slots.notify_all()
+
+    def _load(self, staged: Staged, load: Load, per_bucket: bool, t0: float) -> Received:
         e, k = staged.epoch, staged.k
 
         def stream() -> Iterator:
-            for views in self._views:
+            for views in self._views[staged.slot]:
                 if per_bucket:
                     yield views
                 else:

@@ -148,6 +148,7 @@ class Sender:
         self._queued: list[P.Member] = []
         self._works: list[dist.Work] = []
         self._last: tuple[int, int, list[str]] | None = None  # epoch, k and members of the last push
+        self._reported_dead: frozenset[str] = frozenset()  # members someone outside saw die (fail_members)
         self.use_layout(buckets)
         track(self)
         self._joins_seen = threading.Event()
@@ -188,6 +189,12 @@ class Sender:
     def drop(self, member_ids: Sequence[str]) -> None:
         """Remove members at the next push (the version boundary); unknown ids are ignored."""
         self._dropped |= set(member_ids) & set(self.members)
+
+    def fail_members(self, member_ids: Sequence[str]) -> None:
+        """Members known dead (the driver saw their process end): a push in flight aborts within a slice
+        instead of waiting ``timeout_s`` for their acknowledgement, and the next push leaves them out. Safe
+        to call from any thread (one atomic assignment)."""
+        self._reported_dead = self._reported_dead | frozenset(member_ids)
 
     @property
     def joins_noticed(self) -> bool:
@@ -352,6 +359,8 @@ class Sender:
         t0 = time.perf_counter()
         deadline = time.monotonic() + self.timeout_s
         tensors, sources = self._sources(params)  # a layout mismatch raises here, before anything is announced
+        dead, self._reported_dead = self._reported_dead, frozenset()
+        self.drop(list(dead))
         if self._joins_seen.is_set():
             self._take_joiners()
         rebuilt = bool(self._queued or self._dropped or self._broken)
@@ -374,7 +383,12 @@ class Sender:
             header = P.Header(version=version, layout=self.layout_digest, cut=tuple(self.chunks))
             self.store.set(P.header_key(e, k), header.encode())
 
+        ids = {m.id for m in self._members}
+
         def abort() -> str | None:
+            dead = ids & self._reported_dead
+            if dead:
+                return f"{', '.join(sorted(dead))} died (seen by the driver)"
             return "a member reported a failure" if self.store.check([P.failed_key(e, k)]) else None
 
         works: list[dist.Work] = []
@@ -475,7 +489,7 @@ class Sender:
         report_by = time.monotonic() + 5 * self.slice_s + 0.5
         for m in self._members:
             key = P.ack_key(e, k, m.id)
-            if m.id in known:
+            if m.id in known or m.id in self._reported_dead:  # a dead member never reports
                 continue
             try:
                 store_wait(self.store, [key], report_by, "a report")

@@ -28,10 +28,17 @@ def test_interval_cap_keeps_totals_exact() -> None:
 
 
 def test_role_busy_fraction_uses_the_role_kind() -> None:
-    learner = {"role": "learner 1", "totals": {"compute": 3.0, "push": 1.0, "wait_data": 4.0}}
+    learner = {"role": "learner 1", "totals": {"forward_backward": 2.0, "optimizer": 1.0, "push": 1.0,
+                                               "wait_data": 4.0}}
     generator = {"role": "generator 0", "totals": {"generate": 9.0, "wait_admission": 1.0}}
     assert role_busy_fraction(learner) == pytest.approx(0.5)
     assert role_busy_fraction(generator) == pytest.approx(0.9)
+
+
+def test_waiting_on_a_push_or_the_buffer_is_never_busy() -> None:
+    learner = {"role": "learner 0", "totals": {"forward_backward": 3.0, "push_wait": 5.0, "ack": 1.0,
+                                               "wait_data": 1.0}}
+    assert role_busy_fraction(learner) == pytest.approx(0.3)
 
 
 def test_busy_fraction_between_clips_intervals_to_the_window() -> None:
