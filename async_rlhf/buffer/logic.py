@@ -28,6 +28,8 @@ PUT_OK, PUT_DUPLICATE, PUT_FULL = "ok", "duplicate", "full"
 NO_FLOOR = 1 << 62
 ADMIT_MEMORY = 4096
 """How many admit request ids the service remembers: a retried admit is answered from here, never granted twice."""
+DROP_STREAK_BATCHES = 4
+"""Dynamic sampling gives up (keeps uniform groups) after this many batches' worth of them in a row."""
 REWARD_REFUSALS = {None: "unknown_group", HELD: "already_rewarded", DELIVERED: "already_rewarded",
                    TRAINED: "finished", DROPPED: "finished"}
 
@@ -47,13 +49,17 @@ class BufferLogic:
                  drop_zero_advantage: bool = False) -> None:
         """``drop_zero_advantage``: a complete group whose rewards are all equal is dropped as soon as it is
         put or rewarded (reason ``zero_advantage``, its admission slot goes back to the generators), so
-        learners only get groups that carry a gradient under a group baseline (DAPO's dynamic sampling)."""
+        learners only get groups that carry a gradient under a group baseline (DAPO's dynamic sampling).
+        Once ``DROP_STREAK_BATCHES`` batches' worth of uniform groups in a row were dropped (a policy that
+        always fails, or always succeeds), uniform groups are kept again until an informative one comes:
+        training goes on instead of waiting forever (counted as ``kept_zero_advantage``)."""
         if capacity < 0:
             raise ValueError(f"buffer.capacity must be 0 (unbounded) or more, got {capacity}")
         if not reward_deadline_s > 0:
             raise ValueError(f"buffer.reward_deadline_s must be above 0, got {reward_deadline_s}")
         self.reward_deadline_s = reward_deadline_s
         self.drop_zero_advantage = drop_zero_advantage
+        self._uniform_streak = 0  # uniform groups in a row since the last informative one
         self._admits: OrderedDict[str, dict[str, Any]] = OrderedDict(
             (rid, {"granted": g, "version": v}) for rid, (g, v) in store.admits().items())
         self.store = store
@@ -202,8 +208,8 @@ class BufferLogic:
             self.store.put_many(fresh, self._meta(), awaiting=bool(rewards_pending))
             self.put_rate.add(len(fresh))
             if self.drop_zero_advantage and not rewards_pending:
-                self._drop_uninformative([env.group_id for env, _ in checked if env.uniform_reward
-                                          and env.group_id in taken])
+                self._drop_uninformative([env.group_id for env, _ in checked if env.group_id in taken
+                                          and self._uninformative(env.uniform_reward)])
         else:  # duplicates or "full" only: persist their counters (a durable store reloads them)
             self.store.save_meta(self._meta())
         return status
@@ -229,7 +235,7 @@ class BufferLogic:
             raise WireError("malformed", f"group {group_id} has {group.num_samples} samples but {len(rewards)} "
                                          "rewards were given; send exactly one reward per sample, in sample order")
         self.counters["rewarded"] += 1
-        if self.drop_zero_advantage and len(set(rewards)) == 1:
+        if self.drop_zero_advantage and self._uninformative(len(set(rewards)) == 1):
             self._drop_uninformative([group_id])
             return {"ok": True, "dropped": "zero_advantage"}
         wire = group.wire
@@ -237,6 +243,17 @@ class BufferLogic:
             sample["reward"] = float(r)
         self.store.reward(group_id, msgpack.packb(wire, use_bin_type=True), self._meta())
         return {"ok": True}
+
+    def _uninformative(self, uniform: bool) -> bool:
+        """Whether to drop a complete group (see ``drop_zero_advantage``); counts the streak."""
+        if not uniform:
+            self._uniform_streak = 0
+            return False
+        self._uniform_streak += 1
+        if self._uniform_streak > DROP_STREAK_BATCHES * self.admission.groups_per_version:
+            self.counters["kept_zero_advantage"] += 1
+            return False
+        return True
 
     def _drop_uninformative(self, group_ids: list[str]) -> None:
         """Drop complete groups whose rewards are all equal (reason ``zero_advantage``)."""

@@ -72,7 +72,8 @@ log = logging.getLogger(__name__)
 IDLE_SLICE_S = 0.05
 """While pre-posted for the next push, how often a member asks the store whether a new epoch came instead."""
 REJOINED = P.Header(next_epoch=-1)
-"""What :meth:`Receiver._next_header` returns after joining again (read the new epoch's first push)."""
+"""What :meth:`Receiver._next_header` returns after joining again or after an aborted push: read the next
+header afresh."""
 
 Load = Callable[[Iterator], object]
 """Consumes an iterator of (name, tensor), or of lists of them (one per bucket) with ``per_bucket``."""
@@ -354,12 +355,16 @@ class Receiver:
             store_wait(self.store, [P.header_key(e, k)], deadline, f"push {k} of epoch {e} (is the sender pushing?)")
             return self._store_header(e, k)
         moved: list[P.Header] = []
+        aborted: list[str] = []
 
-        def next_epoch() -> str | None:  # between slices: did the sender open a new epoch instead of pushing?
-            header = self._store_header(e, k)
+        def next_epoch() -> str | None:  # between slices: did the sender open a new epoch instead of pushing,
+            header = self._store_header(e, k)  # or give up on push k (another member died under it)?
             if header is not None and header.next_epoch is not None:
                 moved.append(header)
                 return f"the sender opened epoch {header.next_epoch}"
+            if self.store.check([P.abort_key(e, k)]):
+                aborted.append(self.store.get(P.abort_key(e, k)).decode())
+                return "the sender aborted it"
             return None
 
         try:
@@ -374,8 +379,18 @@ class Receiver:
             if header is not None and header.next_epoch is not None:
                 self._posted = None
                 return header
+            if aborted:  # a victim: say so, then wait for the sender's next push (it opens a new epoch)
+                with contextlib.suppress(Exception):
+                    self.store.set(P.ack_key(e, k, self.me.id), f"{P.ABORTED}: {aborted[0]}"[:500])
+                self._posted, self._expect, self._k = None, None, k + 1
+                return REJOINED
             log.warning("member %s: the receives posted for push %d of epoch %d failed (%s); joining again",
                         self.me.id, k, e, exc)
+            # a victim (another member's death breaks every pair with it, or the group timed out): if the sender
+            # pushes k into this broken group, this report keeps it from blaming this member, which is back
+            # by the next push as a new incarnation
+            with contextlib.suppress(Exception):
+                self.store.set(P.ack_key(e, k, self.me.id), f"{P.ABORTED}: posted receives failed ({exc})"[:500])
             self._leave(join_again=False)
             self.join(left(deadline))
             return REJOINED

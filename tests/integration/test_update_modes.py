@@ -280,27 +280,25 @@ def test_late_joiner_serves_the_current_version_first_and_a_killed_engine_is_dro
     first = gen1.expect("trajectories")
     assert all(t["tokens"] == [FORCED] * MAX_TOKENS for t in first["traj"].values()), "gen1 served before v3"
 
-    # gen0 is killed while v4 is on its way (it never acknowledges): named, dropped, gen1 carries on
+    # gen0 is killed with its receives for v4 posted (its fetch thread never stops), so v4 goes out to a dead
+    # member that never acknowledges: named, dropped, gen1 carries on
     gen1.ask("receive")
     sender.timeout_s = 10.0
     failure: list[BaseException] = []
     pushing = threading.Thread(target=lambda: _push_expecting_failure(sender, stack["base"], 4, failure))
     t0 = time.monotonic()
-    pushing.start()
-    time.sleep(1.0)
     os.kill(gen0.proc.pid, signal.SIGKILL)
+    gen0.proc.join(timeout=10)
+    pushing.start()
     pushing.join(timeout=30)
     assert not pushing.is_alive(), "the push hung on a killed receiver"
     assert time.monotonic() - t0 < sender.timeout_s + 5
     assert len(failure) == 1 and isinstance(failure[0], PushError), failure
     err = failure[0]
     assert err.failed_members == ["gen0"] and "gen0" in str(err) and "version 4" in str(err), str(err)
-    kind, payload = gen1.out.get(timeout=TIMEOUT_S)  # loaded v4 before the abort, or gave up: not to blame
-    assert kind == "received" or (kind == "receive_failed" and "aborted" in payload), (kind, payload)
-    assert "gen1" not in err.failed_members
+    assert "gen1" not in err.failed_members  # it saw the abort and said so: a victim, not to blame
     sender.drop(err.failed_members)
-    gen1.ask("receive")
-    metrics = sender.push(stack["base"], 4)
+    metrics = sender.push(stack["base"], 4)  # the receive asked above gets it, in the rebuilt group
     assert sender.members == ["gen1"] and metrics["sync/epoch"] == 2
     assert gen1.expect("received")["version"] == 4
     gen1.ask("serve", prompts)

@@ -60,3 +60,19 @@ def test_auto_is_on_only_where_a_uniform_group_has_no_gradient() -> None:
     assert not drops_zero_advantage(TrainConfig(algorithm="ppo"))  # a critic
     assert drops_zero_advantage(TrainConfig(algorithm="ppo", drop_zero_advantage="on"))
     assert not drops_zero_advantage(TrainConfig(drop_zero_advantage="off"))
+
+
+def test_a_policy_that_always_fails_still_trains_after_a_streak_of_uniform_groups() -> None:
+    from async_rlhf.buffer.logic import DROP_STREAK_BATCHES
+
+    buf = BufferLogic(MemoryStore(), groups_per_version=2, max_staleness=100, drop_zero_advantage=True)
+    limit = DROP_STREAK_BATCHES * 2
+    buf.admit(limit + 3)
+    for i in range(limit + 2):
+        buf.put(group(f"fail-{i}", [0.0, 0.0]))
+    assert buf.counters["dropped_zero_advantage"] == limit  # then it gives up dropping
+    assert buf.counters["kept_zero_advantage"] == 2 and len(buf.try_get(2, version=0)) == 2
+    buf.put(group("mixed", [0.0, 1.0]))  # an informative group resets the streak: uniform ones drop again
+    buf.admit(1)
+    buf.put(group("fail-again", [0.0, 0.0]))
+    assert buf.dropped["fail-again"] == "zero_advantage"
