@@ -269,8 +269,8 @@ class SyncConfig:
     backend: str = "gloo"
     """Backend of the weight-push group (gloo on CPU, nccl on GPU)."""
     bucket_mb: int = 64
-    """Largest flat broadcast bucket. A push uses about 8 buckets (each at least 4 MiB) up to this size, so
-    that loading bucket i into the engine overlaps the transfer of bucket i + 1."""
+    """Largest flat bucket of the push's layout (about 8 buckets, each at least 4 MiB, up to this size): the
+    order in which receivers load tensors. What goes on the wire is cut by the sender (see sync/sender.py)."""
     timeout_s: float = 30.0
     """Timeout of every collective and handshake of the push; a peer slower than this is reported dead,
     dropped from the group and the push repeated without it."""

@@ -101,10 +101,13 @@ class TrainProgress:
         import ray
 
         step = int(rec["step"])
-        per_rank = ray.get([lr.trained_ids.remote(step, step) for lr in self.cluster.learners])
-        ids = [gid for d in per_rank for gid in d.get(step, [])]
-        self.ledger.observe_trained(ids)
-        self._data.write(json.dumps({"step": step, "version": rec.get("version"), "group_ids": ids}) + "\n")
+        per_rank = [d.get(step, {}) for d in ray.get([lr.trained_ids.remote(step, step)
+                                                     for lr in self.cluster.learners])]
+        ids = [gid for d in per_rank for gid in d.get("group_ids", [])]
+        skipped = [gid for d in per_rank for gid in d.get("skipped_ids", [])]
+        self.ledger.observe_trained(ids + skipped)  # a skipped (zero-advantage) prompt is used up too
+        self._data.write(json.dumps({"step": step, "version": rec.get("version"), "group_ids": ids,
+                                     "skipped_ids": skipped}) + "\n")
         self._data.flush()
         rec["data/duplicates"] = len(self.ledger.duplicates)
 

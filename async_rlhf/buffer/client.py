@@ -238,6 +238,12 @@ class BufferClient:
     def ack(self, group_ids: list[str], *, consumer: str | None = None) -> int:
         return int(self.request("ack", group_ids=list(group_ids), consumer=consumer or self.consumer)["acked"])
 
+    def ack_consumed(self, group_ids: list[str]) -> list[str]:
+        """:meth:`ack`, returning the ids of groups the buffer dropped as uninformative (zero_advantage) since
+        the last ack of any consumer: used up without training (the learner reports them as skipped)."""
+        r = self.request("ack", group_ids=list(group_ids), consumer=self.consumer)
+        return [str(g) for g in r.get("consumed", [])]
+
     def set_version(self, version: int) -> None:
         self.request("set_version", version=version)
 

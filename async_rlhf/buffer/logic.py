@@ -60,6 +60,7 @@ class BufferLogic:
         self.reward_deadline_s = reward_deadline_s
         self.drop_zero_advantage = drop_zero_advantage
         self._uniform_streak = 0  # uniform groups in a row since the last informative one
+        self._consumed_unreported: list[str] = []  # dropped as zero_advantage, not yet reported by an ack
         self._admits: OrderedDict[str, dict[str, Any]] = OrderedDict(
             (rid, {"granted": g, "version": v}) for rid, (g, v) in store.admits().items())
         self.store = store
@@ -261,6 +262,7 @@ class BufferLogic:
             self.admission.dropped(len(group_ids))
             self.counters["dropped_zero_advantage"] += len(group_ids)
             self.store.drop(group_ids, "zero_advantage", self._meta())
+            self._consumed_unreported += group_ids
 
     def expire_rewards(self, now: float | None = None) -> int:
         """Drop (reason ``reward_timeout``) every group still awaiting its reward after the deadline."""
@@ -331,7 +333,11 @@ class BufferLogic:
         self.counters["duplicate_ack"] += len(group_ids) - len(set(map(str, group_ids)))
         self.counters["trained"] += len(fresh)
         self.store.ack(fresh, self._meta())
-        return {"acked": len(fresh)}
+        # the groups dropped as zero_advantage since the last ack: their prompts were used up (judged, not
+        # trained), so the driver's prompt ledger never issues them again. Kept in memory only: a restarted
+        # service forgets the ones not yet reported, whose prompts are then issued again
+        consumed, self._consumed_unreported = self._consumed_unreported, []
+        return {"acked": len(fresh), **({"consumed": consumed} if consumed else {})}
 
     def tick(self, now: float | None = None) -> int:
         """Redeliver every group whose learner has not acked it within the visibility timeout."""

@@ -131,7 +131,7 @@ class LearnerActor:
         self._sync_push: dict[str, float] = {}  # of the last push done on this thread (ZeRO-3)
         self._step_times: defaultdict[str, float] = defaultdict(float)
         self.timeline = Timeline(f"learner {rank}")
-        self._trained_by_step: dict[int, list[str]] = {}
+        self._trained_by_step: dict[int, dict[str, list[str]]] = {}
         self._stop_at: int | None = None
 
     def ready(self) -> int:
@@ -265,10 +265,10 @@ class LearnerActor:
                     batch = collate(groups, self.pad_id, cfg.train.advantage)
                 m = self._update(batch, [len(g.samples) for g in groups])
                 with self._phase("ack"):
-                    with_retry(lambda: client.ack(batch.group_ids), "ack", patience)
+                    skipped = with_retry(lambda: client.ack_consumed(batch.group_ids), "ack", patience)
                 self.step += 1
                 with self._lock:
-                    self._trained_by_step[self.step] = list(batch.group_ids)
+                    self._trained_by_step[self.step] = {"group_ids": list(batch.group_ids), "skipped_ids": skipped}
                 if self.step % cfg.train.push_every == 0:
                     self.version += 1  # these weights are version v + 1; the push thread sends them
                     self._start_push(self.version)
@@ -451,8 +451,9 @@ class LearnerActor:
         """End train() after step ``at_step`` (the same on every rank: steps are collective), checkpointed."""
         self._stop_at = int(at_step)
 
-    def trained_ids(self, first_step: int, last_step: int) -> dict[int, list[str]]:
-        """Group ids this rank trained at steps ``first_step..last_step``; older steps are forgotten."""
+    def trained_ids(self, first_step: int, last_step: int) -> dict[int, dict[str, list[str]]]:
+        """Per step ``first_step..last_step``: the group ids this rank trained (``group_ids``) and those the
+        buffer reported dropped as uninformative with that ack (``skipped_ids``); older steps are forgotten."""
         with self._lock:
             out = {s: ids for s, ids in self._trained_by_step.items() if first_step <= s <= last_step}
             for s in [s for s in self._trained_by_step if s < first_step]:

@@ -176,13 +176,16 @@ def check_metrics_continue(run_dir: Path, manifest: dict[str, Any], steps: int,
 
 def check_prompts_once(run_dir: Path, manifest: dict[str, Any], steps: int) -> list[str]:
     """Every step's groups are in the data ledger, no prompt was trained twice in the lineage, and every
-    prompt drawn but not trained at checkpoint ``manifest`` was trained after it; returns the trained keys."""
+    prompt drawn but not trained at checkpoint ``manifest`` was trained (or skipped as uninformative) after it;
+    returns the trained keys."""
     s = manifest["step"]
     lines = data_ledger(run_dir)
     assert [x["step"] for x in lines] == list(range(1, steps + 1))
     keys = [key_of_group(g) for x in lines for g in x["group_ids"]]
     assert len(keys) == len(set(keys)), "a prompt was trained twice"
-    after = {key_of_group(g) for x in lines if x["step"] > s for g in x["group_ids"]}
+    used = keys + [key_of_group(g) for x in lines for g in x.get("skipped_ids", [])]  # zero-advantage: used up
+    assert len(used) == len(set(used)), "a prompt was both trained and skipped, or skipped twice"
+    after = {key_of_group(g) for x in lines if x["step"] > s for g in x["group_ids"] + x.get("skipped_ids", [])}
     pending = {f"{gen}:{seq}" for gen, st in manifest["data"].items() for seq in st["pending"]}
     assert pending, "the first run had prompts in flight or in the buffer at its checkpoint"
     assert pending <= after, f"prompts drawn before the checkpoint were never trained: {sorted(pending - after)}"

@@ -30,6 +30,9 @@ def test_uniform_groups_are_dropped_and_their_admission_slots_come_back() -> Non
     assert buf.admit(2)["granted"] == 1  # the dropped group's slot is free again: the batch can still fill
     got = buf.try_get(1, version=0)
     assert [msgpack.unpackb(g)["group_id"] for g in got] == ["mixed"]
+    # the next ack tells the learner which prompts were used up without training (once)
+    assert buf.ack(["mixed"]) == {"acked": 1, "consumed": ["all-right"]}
+    assert buf.ack([]) == {"acked": 0}
 
 
 def test_a_late_reward_that_makes_a_group_uniform_drops_it() -> None:
