@@ -204,6 +204,9 @@ class GeneratorConfig:
     """Cores of the generator fleet, e.g. 0-5 (split among generators), all, or auto (see async_rlhf/cpus.py)."""
     eval_every: int = 25
     """Generator 0 measures held-out greedy accuracy every this many versions (0 disables)."""
+    nice: int = 0
+    """Lower the generators' CPU priority by this much (0-19). With generator.cpus=all on a small host the
+    generators use the learner's cores while it waits for data and yield them while it computes."""
     min_swap_interval_s: float = 0.0
     """Swap in a newly received version at most this often (versions arriving meanwhile are coalesced: only
     the newest is loaded), unless the engine lags the newest by max_staleness versions or more. 0: at the next
@@ -500,6 +503,8 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"task.sft_forget_carry must lie in [0, 1], got {cfg.task.sft_forget_carry}")
     if cfg.sync.receive_buffers not in (1, 2):
         raise ConfigError(f"sync.receive_buffers must be 1 or 2, got {cfg.sync.receive_buffers}")
+    if not 0 <= cfg.generator.nice <= 19:
+        raise ConfigError(f"generator.nice must lie in 0-19 (added niceness), got {cfg.generator.nice}")
     if cfg.generator.min_swap_interval_s < 0:
         raise ConfigError(f"generator.min_swap_interval_s must be 0 or more, got {cfg.generator.min_swap_interval_s}")
     if cfg.generator.temperature <= 0:

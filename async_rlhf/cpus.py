@@ -36,6 +36,8 @@ class Placement:
     actor: str
     cores: tuple[int, ...]
     threads: int
+    nice: int = 0
+    """Added to the process's niceness: a role that borrows another's cores yields them when that one works."""
 
 
 @dataclass
@@ -114,7 +116,7 @@ def _auto_split(available: tuple[int, ...], generators: int, learners: int) -> t
 
 def plan_cpus(available: tuple[int, ...], generators: int, learners: int, *, generator_cpus: str = AUTO,
               learner_cpus: str = AUTO, buffer_cpus: str = AUTO, generator_threads: int = 1,
-              learner_threads: int = 1) -> CpuPlan:
+              learner_threads: int = 1, generator_nice: int = 0) -> CpuPlan:
     """The core set and thread count of every generator, learner rank and the buffer (see module doc)."""
     available = tuple(sorted(set(available)))
     if not available:
@@ -130,7 +132,7 @@ def plan_cpus(available: tuple[int, ...], generators: int, learners: int, *, gen
     buf = gen if buffer_cpus.strip() == AUTO else parse_cores(buffer_cpus, available, "buffer.cpus")
     plan = CpuPlan(available)
     for i, cores in enumerate(split_blocks(gen, generators)):
-        plan.placements[f"generator {i}"] = Placement(f"generator {i}", cores, generator_threads)
+        plan.placements[f"generator {i}"] = Placement(f"generator {i}", cores, generator_threads, generator_nice)
     for r, cores in enumerate(split_blocks(learn, learners)):
         plan.placements[f"learner {r}"] = Placement(f"learner {r}", cores, learner_threads)
     plan.placements["buffer"] = Placement("buffer", buf, 1)
@@ -164,16 +166,19 @@ def plan_for_config(cfg: Any) -> CpuPlan:
     """The plan of a :class:`async_rlhf.config.Config` on this host."""
     return plan_cpus(available_cores(cfg.run.cpus), cfg.generators, cfg.learners,
                      generator_cpus=cfg.generator.cpus, learner_cpus=cfg.learner.cpus, buffer_cpus=cfg.buffer.cpus,
-                     generator_threads=cfg.generator.threads, learner_threads=cfg.learner.threads)
+                     generator_threads=cfg.generator.threads, learner_threads=cfg.learner.threads,
+                     generator_nice=cfg.generator.nice)
 
 
-def pin_this_process(cores: tuple[int, ...], threads: int | None = None) -> list[int]:
-    """Pin every thread of this process to ``cores`` (threads started later inherit it); optionally resize
-    torch's intra-op pool. Returns the affinity now in effect."""
+def pin_this_process(cores: tuple[int, ...], threads: int | None = None, nice: int = 0) -> list[int]:
+    """Pin every thread of this process to ``cores`` and lower its priority by ``nice`` (threads started later
+    inherit both); optionally resize torch's intra-op pool. Returns the affinity now in effect."""
     target = set(cores)
     for tid in os.listdir("/proc/self/task"):
         try:
             os.sched_setaffinity(int(tid), target)
+            if nice:  # Linux keeps niceness per thread
+                os.setpriority(os.PRIO_PROCESS, int(tid), os.getpriority(os.PRIO_PROCESS, int(tid)) + nice)
         except (ProcessLookupError, PermissionError):  # a thread that just ended
             continue
     if threads:
@@ -186,6 +191,6 @@ def pin_this_process(cores: tuple[int, ...], threads: int | None = None) -> list
     return sorted(os.sched_getaffinity(0))
 
 
-def pin_actor(_actor: object, cores: list[int], threads: int | None = None) -> list[int]:
+def pin_actor(_actor: object, cores: list[int], threads: int | None = None, nice: int = 0) -> list[int]:
     """For ``actor.__ray_call__.remote(pin_actor, cores)``: pins the actor's process from inside it."""
-    return pin_this_process(tuple(cores), threads)
+    return pin_this_process(tuple(cores), threads, nice)

@@ -69,7 +69,8 @@ def pin_roles(cfg: Config, buffer: Any, generators: list[Any], learners: list[An
     plan = plan_for_config(cfg)
     actors = {"buffer": buffer, **{f"generator {i}": g for i, g in enumerate(generators)},
               **{f"learner {r}": lr for r, lr in enumerate(learners)}}
-    ray.get([a.__ray_call__.remote(pin_actor, list(plan.placements[name].cores)) for name, a in actors.items()])
+    ray.get([a.__ray_call__.remote(pin_actor, list(plan.placements[name].cores), None, plan.placements[name].nice)
+             for name, a in actors.items()])
     for warning in plan.warnings:
         log.warning("CPU plan: %s", warning)
     return plan

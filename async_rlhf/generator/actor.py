@@ -213,9 +213,16 @@ class GeneratorActor:
                 if (want > 0 and not (pending and drain) and not self._draining.is_set()
                         and time.monotonic() - last_refused > 0.005):
                     want = min(want, problems.reissue_left + source.prefetch(want))  # prompts ready now
-                    granted = with_retry(lambda: client.admit(want), "admit", patience)[0] if want else 0
+                    granted, live = with_retry(lambda: client.admit(want), "admit", patience) if want else (0, 0)
                     if granted < want or want == 0:
                         last_refused = time.monotonic()
+                    if granted and live > self.version and not drain and eval_pending == 0:
+                        # the buffer's version is held by every generator (it is set once the push is
+                        # acknowledged): serve it before starting these groups, or they are born stale
+                        staged = self.llm.collective_rpc("staged_version")[0]
+                        if staged is not None and staged >= live:
+                            self._load_version()
+                            staged = None
                     for _ in range(granted):
                         seq, prompt = next(problems)
                         self._position = max(self._position, problems.position)

@@ -55,8 +55,13 @@ def scenario(box: dict[str, Any], cluster: Any, log: list[tuple[str, int, float]
         os.kill(ray.get(fleet.handles[0].pid.remote()), signal.SIGKILL)
         wait_for(lambda: fleet.counters["restarts"] >= 1, "generator 0 to restart", 400)
         mark("restarted")
-        wait_for(lambda: set(f"0:{s}" for s in list(fleet.ledger.reissued.get(0, []))) <= set(fleet.ledger.trained),
-                 "the re-issued prompts to be trained")
+
+        def accounted() -> set[str]:  # trained (or used up as zero-advantage), or dropped with a reason (stale)
+            dropped = ray.get(cluster.buffer.stats.remote(True))["ledger"]["dropped"]
+            return set(fleet.ledger.trained) | {key_of_group(g) for g in dropped}
+
+        wait_for(lambda: set(f"0:{s}" for s in list(fleet.ledger.reissued.get(0, []))) <= accounted(),
+                 "the re-issued prompts to be trained or dropped with a reason")
         mark("reissued_trained")
         fleet.request_scale(1)
         wait_for(lambda: fleet.counters["removed"] >= 1, "generator 1 to leave")

@@ -88,3 +88,34 @@ def test_pin_this_process_narrows_and_restores_affinity() -> None:
     finally:
         pin_this_process(before)
     assert tuple(sorted(os.sched_getaffinity(0))) == before
+
+
+def _niceness_after_pinning(queue) -> None:
+    import threading
+
+    started = threading.Event()
+    threading.Thread(target=started.wait, daemon=True).start()  # a thread that exists before the pinning
+    before = os.getpriority(os.PRIO_PROCESS, 0)
+    pin_this_process(tuple(sorted(os.sched_getaffinity(0))), nice=5)
+    late = []
+    t = threading.Thread(target=lambda: late.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
+    t.start()
+    t.join()
+    tids = [int(t) for t in os.listdir("/proc/self/task")]
+    queue.put((before, [os.getpriority(os.PRIO_PROCESS, tid) for tid in tids], late[0]))
+    started.set()
+
+
+def test_generators_that_borrow_cores_run_at_lower_priority_in_every_thread() -> None:
+    import multiprocessing as mp
+
+    plan = plan_cpus((0, 1), 2, 1, generator_cpus="all", generator_nice=5)
+    assert [plan.placements[f"generator {i}"].nice for i in range(2)] == [5, 5]
+    assert plan.placements["learner 0"].nice == 0
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_niceness_after_pinning, args=(queue,))
+    proc.start()
+    before, every_thread, started_later = queue.get(timeout=60)
+    proc.join(10)
+    assert set(every_thread) == {before + 5} and started_later == before + 5
