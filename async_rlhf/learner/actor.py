@@ -27,7 +27,6 @@ import shutil
 import threading
 import time
 from collections import defaultdict
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -123,10 +122,7 @@ class LearnerActor:
         self.step = 0
         self.metrics: list[dict[str, Any]] = []
         self._lock = threading.Lock()
-        self._sender: Any = None
-        self._pusher = ThreadPoolExecutor(1, thread_name_prefix="weight-push")
-        self._push_future: Future | None = None
-        self._push_client: Any = None  # the push thread's own buffer client (a ZeroMQ socket is one thread's)
+        self._pusher: Any = None  # rank 0: learner/push.py
         self._push_metrics: dict[str, float] = {}  # of the pushes completed during the current step
         self._sync_push: dict[str, float] = {}  # of the last push done on this thread (ZeRO-3)
         self._step_times: defaultdict[str, float] = defaultdict(float)
@@ -147,47 +143,19 @@ class LearnerActor:
 
     def init_weight_sync(self, host: str, port: int, member_ids: list[str]) -> None:
         """Rank 0 hosts the push group's TCPStore and forms the first epoch with every generator."""
-        from async_rlhf.sync.sender import Sender
+        from async_rlhf.learner.push import WeightPusher
 
-        self._sender = Sender(self._buckets, host, port, self.cfg.sync.backend, self.cfg.sync.timeout_s)
-        self._sender.form(list(member_ids))
+        self._pusher = WeightPusher(self.cfg, self._buckets, host, port, self.buffer_address)
+        self._pusher.sender.form(list(member_ids))
 
     def drop_generators(self, member_ids: list[str]) -> None:
         """The driver saw these generators' processes die: a push in flight aborts at once instead of waiting
         ``sync.timeout_s`` for them, and the next push leaves them out (any thread)."""
-        if self._sender is not None:
-            self._sender.fail_members(member_ids)
+        if self._pusher is not None:
+            self._pusher.members_died(member_ids)
 
     def _full_params(self):
         return full_params(self.engine, self.cfg.learner.zero_stage)
-
-    def _send(self, params: dict[str, Any], version: int) -> dict[str, float]:
-        """Push ``version`` to every live generator; a dead or hung one is named, dropped, and the push
-        repeated on the rebuilt group, so training goes on without it."""
-        from async_rlhf.sync.sender import PushError
-
-        dropped: list[str] = []
-        for _ in range(len(self._sender.members) + 2):
-            try:
-                metrics = self._sender.push(params, version)
-                break
-            except PushError as err:
-                log.error("%s: rebuilding the push group without %s", err, err.failed_members)
-                self._sender.drop(err.failed_members)
-                dropped += err.failed_members
-        else:
-            raise RuntimeError(f"the weight push of version {version} kept failing; see the errors above")
-        return {**metrics, "sync/dropped": float(len(dropped))}
-
-    def _publish(self, version: int) -> None:
-        """Tell the buffer that every generator holds ``version`` (admission opens one more batch)."""
-        from async_rlhf.buffer.build import make_client
-        from async_rlhf.buffer.client import with_retry
-
-        if self._push_client is None:
-            self._push_client = make_client(self.cfg, self.buffer_address, consumer=f"learner-{self.rank}-push")
-        patience = self.cfg.buffer.redis_retry_s + self.cfg.buffer.request_timeout_s
-        with_retry(lambda: self._push_client.set_version(version), "set_version", patience)
 
     def _start_push(self, version: int) -> None:
         """Hand ``version`` to the push thread (rank 0) and return at once; under ZeRO-3 gather and push
@@ -196,29 +164,19 @@ class LearnerActor:
         if self.cfg.learner.zero_stage == 3:
             with self._phase("push"), self._full_params() as params:
                 if self.rank == 0:
-                    self._sync_push = self._send(params, version)
-                    self._publish(version)
+                    self._sync_push = self._pusher.push(params, version)
             return
-        if self.rank != 0:
-            return
-        params = dict(self.engine.module.named_parameters())
-
-        def push() -> dict[str, float]:
-            metrics = self._send(params, version)
-            self._publish(version)
-            return metrics
-
-        self._push_future = self._pusher.submit(push)
+        if self.rank == 0:
+            self._pusher.start(dict(self.engine.module.named_parameters()), version)
 
     def _await_push(self) -> dict[str, float]:
         """Wait for the push in flight, if any (state ``push_wait``: the only time the learner waits on the
         fleet); returns its metrics. Raises what the push raised."""
         done, self._sync_push = self._sync_push, {}
-        future, self._push_future = self._push_future, None
-        if future is None:
+        if self._pusher is None or not self._pusher.in_flight:
             return done
         with self._phase("push_wait"):
-            return future.result()
+            return self._pusher.wait()
 
     @contextlib.contextmanager
     def _phase(self, name: str):
@@ -305,9 +263,8 @@ class LearnerActor:
         finally:
             self.timeline.stop()
             client.close()
-            if self._push_client is not None:
-                self._push_client.close()
-                self._push_client = None
+            if self._pusher is not None:
+                self._pusher.close()
         return {"step": self.step, "version": self.version}
 
     def timeline_dict(self) -> dict[str, Any]:
