@@ -423,6 +423,8 @@ def _convert(raw: Any, hint: Any, key: str, origin: str) -> Any:
         if hint is float:
             return float(raw)
         if hint is str:
+            if isinstance(raw, bool):  # YAML reads on/off (and yes/no) as booleans
+                return "on" if raw else "off"
             return "" if raw is None else str(raw)
     except (TypeError, ValueError):
         wanted = {int: "an integer", float: "a number", bool: "true or false"}.get(hint, hint.__name__)

@@ -29,10 +29,22 @@ def test_two_cores_one_generator_one_learner_split_one_each() -> None:
 
 
 def test_more_actors_than_cores_share_and_are_flagged() -> None:
-    plan = plan_cpus((0, 1), generators=2, learners=1)
-    assert cores(plan, "generator 0") == cores(plan, "generator 1") == (0,)
+    plan = plan_cpus((0, 1), generators=3, learners=1, generator_cpus="0")
+    assert cores(plan, "generator 0") == cores(plan, "generator 1") == cores(plan, "generator 2") == (0,)
     assert cores(plan, "learner 0") == (1,)
     assert plan.oversubscribed and "[0]" in plan.warnings[-1]
+
+
+def test_on_a_small_host_generators_borrow_the_learners_cores_at_lower_priority() -> None:
+    plan = plan_cpus((0, 1), generators=2, learners=1)  # the demo on 2 cores: one generator core for two
+    assert cores(plan, "generator 0") == (0,) and cores(plan, "generator 1") == (1,)
+    assert cores(plan, "learner 0") == (1,)
+    assert [plan.placements[f"generator {i}"].nice for i in range(2)] == [10, 10]
+    assert plan.placements["learner 0"].nice == 0 and "borrow" in plan.warnings[-1]
+    assert plan_cpus((0, 1), 2, 1, generator_nice=5).placements["generator 0"].nice == 5
+    roomy = plan_cpus(tuple(range(8)), generators=2, learners=1)  # enough cores: fleets kept apart
+    assert not set(roomy.cores_of("generator")) & set(roomy.cores_of("learner"))
+    assert roomy.placements["generator 0"].nice == 0
 
 
 def test_single_core_is_shared_by_everyone() -> None:

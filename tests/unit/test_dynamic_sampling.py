@@ -79,3 +79,10 @@ def test_a_policy_that_always_fails_still_trains_after_a_streak_of_uniform_group
     buf.admit(1)
     buf.put(group("fail-again", [0.0, 0.0]))
     assert buf.dropped["fail-again"] == "zero_advantage"
+
+
+def test_on_and_off_survive_yaml_on_the_command_line() -> None:
+    from async_rlhf.config import load_config
+
+    assert load_config(None, ["train.drop_zero_advantage=off"]).train.drop_zero_advantage == "off"
+    assert load_config(None, ["train.drop_zero_advantage=on"]).train.drop_zero_advantage == "on"

@@ -1,0 +1,284 @@
+"""async_rlhf against TRL's synchronous GRPOTrainer: same task, model, start, hyperparameters and RL time budget.
+
+For each task (``addition``: the demo's 2-digit addition, answers of a few tokens; ``longtail``: answers of
+1-40 tokens, heavy-tailed), one after the other on this machine:
+
+    start       the project's tiny Qwen2 policy with its SFT warm start (runs/cache), the same for both sides
+    TRL         GRPOTrainer (pinned in the ``bench`` extra): 8 prompts x 8 completions per step, lr 1e-4
+                constant, temperature 1, beta 0 (no KL), fp32 on CPU, 2 torch threads, transformers generate,
+                the task's own reward rule; held-out greedy accuracy every ``--eval-every-s`` of training time
+                (the clock is paused while it evaluates), stopped after ``--budget-s`` of training time
+    async_rlhf  launch/cluster.py --generators 2 --learners 1 with the same settings (its defaults otherwise:
+                decoupled PPO, dynamic sampling); the budget starts at its first learner step (start-up is not
+                counted) and ends with {"op": "stop"} on its control endpoint; held-out accuracy from its
+                generator-0 evaluations (``generator.eval_every`` versions), placed at the time of the learner
+                step that made that version
+
+Both are scored by ``async_rlhf.tiny.sft.greedy_accuracy``'s rule on the task's held-out split (ours in vLLM,
+greedy, the same rule). Printed per task: end accuracy and time of TRL, the time async_rlhf needs to reach it,
+time to fixed thresholds, samples/s trained (and generated, for ours: dynamic sampling trains only groups
+whose rewards differ), and the learner's push-wait and compute fractions.
+
+    pip install -e '.[cpu,dev,bench]'
+    python bench/vs_trl.py [--quick] [--budget-s 600] [--tasks addition,longtail] [--out runs/vs_trl/results.json]
+
+Writes ``--out`` (JSON ``{"tasks": [{"task", "trl_accuracy_end", "trl_time_s", "time_to_trl_accuracy_s",
+"trl_samples_per_s", "ours_samples_per_s", "learner_push_wait_fraction", ...curves}]}``) and
+``<task>_curves.png`` beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+TASKS = {"addition": ["task.name=addition", "generator.max_new_tokens=6"],
+         "longtail": ["task.name=longtail", "generator.max_new_tokens=41"]}
+SHARED = ["train.batch_size=8", "train.group_size=8", "train.lr=1e-4", "generator.temperature=1.0",
+          "train.objective.kl_coef=0"]
+THRESHOLDS = (0.5, 0.7, 0.8, 0.9, 0.95)
+
+
+def task_config(task: str) -> Any:
+    from async_rlhf.config import load_config
+
+    return load_config(None, TASKS[task] + SHARED)
+
+
+def start_policy(cfg: Any) -> str:
+    from async_rlhf.runner import resolve_model
+
+    return resolve_model(cfg, ROOT / "runs" / "cache")
+
+
+# -- TRL -----------------------------------------------------------------------------------------------
+def run_trl(cfg: Any, model_dir: str, budget_s: float, eval_every_s: float, work: Path) -> dict[str, Any]:
+    import itertools
+
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from async_rlhf.env.arithmetic import score_completion
+    from async_rlhf.env.registry import make_task
+    from async_rlhf.tiny.sft import greedy_accuracy
+    from async_rlhf.tiny.tokenizer import load_tokenizer
+
+    torch.set_num_threads(2)
+    torch.manual_seed(cfg.train.seed)
+    task = make_task(cfg.task)
+    heldout = task.heldout()
+    tokenizer = load_tokenizer(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    problems = list(itertools.islice(task.train_problems(cfg.train.seed), 50_000))
+    by_prompt = {p.prompt: p for p in problems}
+    data = Dataset.from_dict({"prompt": [p.prompt for p in problems]})
+    new_tokens = cfg.generator.max_new_tokens
+
+    def reward(prompts: list[str], completions: list[str], **_: Any) -> list[float]:
+        return [score_completion(by_prompt[p], c) for p, c in zip(prompts, completions)]
+
+    curve: list[dict[str, float]] = []
+
+    class Clock(TrainerCallback):
+        """Training time without evaluations; evaluates and stops on it."""
+
+        def __init__(self) -> None:
+            self.train_s, self.last, self.next_eval = 0.0, time.perf_counter(), eval_every_s
+
+        def _eval(self, step: int) -> None:
+            acc = greedy_accuracy(model, tokenizer, heldout, new_tokens)
+            curve.append({"time_s": self.train_s, "step": step, "accuracy": acc})
+            print(f"  TRL  {self.train_s:6.0f}s step {step:5d} held-out {acc:.3f}", flush=True)
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **_: Any) -> None:
+            self.train_s += time.perf_counter() - self.last
+            if self.train_s >= self.next_eval or self.train_s >= budget_s:
+                self._eval(state.global_step)
+                self.next_eval = self.train_s + eval_every_s
+            if self.train_s >= budget_s:
+                control.should_training_stop = True
+            self.last = time.perf_counter()
+
+    clock = Clock()
+    args = GRPOConfig(
+        output_dir=str(work / "trl"), per_device_train_batch_size=cfg.train.batch_size * cfg.train.group_size,
+        num_generations=cfg.train.group_size, max_completion_length=new_tokens, learning_rate=cfg.train.lr,
+        lr_scheduler_type="constant", beta=0.0, temperature=cfg.generator.temperature, bf16=False, use_cpu=True,
+        gradient_checkpointing=False, max_steps=10**7, logging_steps=10**9, save_strategy="no", report_to="none",
+        disable_tqdm=True, seed=cfg.train.seed, dataloader_num_workers=0)
+    trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=args, train_dataset=data,
+                          processing_class=tokenizer, callbacks=[clock])
+    curve.append({"time_s": 0.0, "step": 0, "accuracy": greedy_accuracy(model, tokenizer, heldout, new_tokens)})
+    clock.last = time.perf_counter()
+    trainer.train()
+    steps = curve[-1]["step"]
+    samples = steps * cfg.train.batch_size * cfg.train.group_size
+    return {"curve": curve, "time_s": clock.train_s, "steps": steps, "samples_per_s": samples / clock.train_s,
+            "accuracy_end": curve[-1]["accuracy"]}
+
+
+# -- async_rlhf ----------------------------------------------------------------------------------------
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:  # a line being written
+            break
+    return out
+
+
+def run_ours(cfg_args: list[str], model_dir: str, budget_s: float, eval_every: int, work: Path) -> dict[str, Any]:
+    from async_rlhf.control import send_control
+
+    run_dir = work / "ours"
+    args = [sys.executable, str(ROOT / "launch" / "cluster.py"), "--generators", "2", "--learners", "1",
+            *cfg_args, "train.steps=10000000", f"generator.eval_every={eval_every}", "run.log_every_s=15",
+            f"model.path={model_dir}", f"run.dir={run_dir}"]
+    log = (work / "ours.log").open("w")
+    proc = subprocess.Popen(args, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        first = None
+        while first is None:
+            if proc.poll() is not None:
+                raise RuntimeError(f"async_rlhf exited before its first step; see {work / 'ours.log'}")
+            steps = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "step" in r]
+            first = steps[0]["time"] if steps else None
+            time.sleep(0.5)
+        while time.time() - first < budget_s and proc.poll() is None:
+            time.sleep(0.5)
+        send_control(run_dir, {"op": "stop"})
+        proc.wait(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
+    records = read_jsonl(run_dir / "metrics.jsonl")
+    steps = [r for r in records if "step" in r and r.get("kind") != "eval"]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    at_version = {int(r["version"]): r["time"] - first for r in steps}
+    curve = [{"time_s": 0.0, "step": 0, "accuracy": summary["accuracy_start"]}]
+    curve += [{"time_s": at_version[v], "step": v, "accuracy": r["eval/heldout_accuracy"]}
+              for r in records if r.get("kind") == "eval" and (v := int(r["version"])) in at_version]
+    span = steps[-1]["time"] - first
+    curve.append({"time_s": span, "step": steps[-1]["step"], "accuracy": summary["accuracy_end"]})
+    put = steps[-1].get("buffer/put", 0) * int(next(a for a in SHARED if "group_size" in a).split("=")[1])
+    return {"curve": curve, "time_s": span, "steps": steps[-1]["step"], "accuracy_end": summary["accuracy_end"],
+            "samples_per_s": sum(r["rollout/samples"] for r in steps[1:]) / max(span, 1e-9),
+            "generated_samples_per_s": put / max(span, 1e-9),
+            "learner_push_wait_fraction": summary.get("learner_push_wait_fraction"),
+            "learner_compute_fraction": summary.get("learner_compute_fraction"),
+            "zero_advantage_share": steps[-1].get("buffer/dropped_zero_advantage", 0) / max(1, steps[-1].get(
+                "buffer/put", 0))}
+
+
+# -- comparison ----------------------------------------------------------------------------------------
+def time_to(curve: list[dict[str, float]], accuracy: float) -> float | None:
+    return next((p["time_s"] for p in curve if p["accuracy"] >= accuracy), None)
+
+
+def plot(task: str, trl: dict[str, Any], ours: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, run in (("TRL GRPOTrainer (synchronous)", trl), ("async_rlhf (2 generators + 1 learner)", ours)):
+        ax.plot([p["time_s"] for p in run["curve"]], [p["accuracy"] for p in run["curve"]], marker="o", label=name)
+    ax.set_xlabel("RL training time (s)")
+    ax.set_ylabel("held-out greedy accuracy")
+    ax.set_title(f"{task}: same start, hyperparameters and budget")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def compare(task: str, budget_s: float, eval_every_s: float, out_dir: Path) -> dict[str, Any]:
+    cfg = task_config(task)
+    model_dir = start_policy(cfg)
+    with tempfile.TemporaryDirectory(prefix=f"vs_trl_{task}_") as tmp:
+        work = Path(tmp)
+        print(f"[{task}] TRL GRPOTrainer, {budget_s:.0f} s of training", flush=True)
+        trl = run_trl(cfg, model_dir, budget_s, eval_every_s, work)
+        print(f"[{task}] async_rlhf, {budget_s:.0f} s from its first step", flush=True)
+        eval_every = 25 if task == "addition" else 5
+        ours = run_ours(TASKS[task] + SHARED, model_dir, budget_s, eval_every, work)
+        (out_dir / f"{task}_ours.log").write_text((work / "ours.log").read_text())
+    plot(task, trl, ours, out_dir / f"{task}_curves.png")
+    target = trl["accuracy_end"]
+    return {"task": task, "trl_accuracy_end": target, "trl_time_s": trl["time_s"],
+            "time_to_trl_accuracy_s": time_to(ours["curve"], target), "trl_samples_per_s": trl["samples_per_s"],
+            "ours_samples_per_s": ours["samples_per_s"],
+            "learner_push_wait_fraction": ours["learner_push_wait_fraction"],
+            "ours_accuracy_end": ours["accuracy_end"], "ours_time_s": ours["time_s"],
+            "ours_generated_samples_per_s": ours["generated_samples_per_s"],
+            "learner_compute_fraction": ours["learner_compute_fraction"],
+            "zero_advantage_share": ours["zero_advantage_share"], "trl_steps": trl["steps"],
+            "ours_steps": ours["steps"],
+            "time_to_threshold_s": {str(t): {"trl": time_to(trl["curve"], t), "ours": time_to(ours["curve"], t)}
+                                    for t in THRESHOLDS},
+            "trl_curve": trl["curve"], "ours_curve": ours["curve"]}
+
+
+def fmt(x: float | None) -> str:
+    return "never" if x is None else f"{x:.0f} s"
+
+
+def report(row: dict[str, Any]) -> None:
+    print(f"\n## {row['task']}\n")
+    print("| | TRL GRPOTrainer | async_rlhf |\n| --- | --- | --- |")
+    print(f"| held-out accuracy at the end | {row['trl_accuracy_end']:.3f} after {row['trl_time_s']:.0f} s | "
+          f"{row['ours_accuracy_end']:.3f} after {row['ours_time_s']:.0f} s |")
+    print(f"| time to TRL's end accuracy | {row['trl_time_s']:.0f} s | {fmt(row['time_to_trl_accuracy_s'])} |")
+    for t, v in row["time_to_threshold_s"].items():
+        print(f"| time to {t} | {fmt(v['trl'])} | {fmt(v['ours'])} |")
+    print(f"| learner steps | {row['trl_steps']} | {row['ours_steps']} |")
+    print(f"| samples trained per second | {row['trl_samples_per_s']:.0f} | {row['ours_samples_per_s']:.0f} "
+          f"(generated {row['ours_generated_samples_per_s']:.0f}; {row['zero_advantage_share']:.0%} of groups "
+          "dropped as zero_advantage) |")
+    pw, cf = row["learner_push_wait_fraction"], row["learner_compute_fraction"]
+    print(f"| learner push wait / compute fraction | - | {pw if pw is None else f'{pw:.3f}'} / "
+          f"{cf if cf is None else f'{cf:.2f}'} |")
+    ratio = (row["time_to_trl_accuracy_s"] or float("inf")) / row["trl_time_s"]
+    print(f"\ntime to TRL's end accuracy, ours / TRL: {ratio:.2f} (target: at most 0.5)")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--budget-s", type=float, default=600.0, help="RL training time per side and task")
+    p.add_argument("--quick", action="store_true", help="150 s per side and task")
+    p.add_argument("--tasks", default="addition,longtail", help="comma-separated subset of addition,longtail")
+    p.add_argument("--eval-every-s", type=float, default=0.0, help="TRL evaluation interval (default budget/12)")
+    p.add_argument("--out", default="runs/vs_trl/results.json")
+    args = p.parse_args()
+    budget = 150.0 if args.quick else args.budget_s
+    out = Path(args.out).resolve()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for task in args.tasks.split(","):
+        if task not in TASKS:
+            p.error(f"unknown task {task!r}; choose from {', '.join(TASKS)}")
+        rows.append(compare(task, budget, args.eval_every_s or budget / 12, out.parent))
+        report(rows[-1])
+        out.write_text(json.dumps({"budget_s": budget, "tasks": rows}, indent=2))
+    print(f"\nwritten {out} and the curves beside it")
+
+
+if __name__ == "__main__":
+    main()
