@@ -100,3 +100,44 @@ def test_with_one_slot_a_push_waits_until_the_last_version_is_applied() -> None:
     finally:
         member.stop.set()
         sender.close()
+
+
+def test_the_learner_push_returns_at_once_and_publishes_the_version_once_every_member_holds_it() -> None:
+    from async_rlhf.buffer.client import BufferClient
+    from async_rlhf.buffer.logic import BufferLogic
+    from async_rlhf.buffer.service import BufferService
+    from async_rlhf.buffer.store import MemoryStore
+    from async_rlhf.config import load_config
+    from async_rlhf.learner.push import WeightPusher
+
+    service = BufferService(BufferLogic(MemoryStore(), groups_per_version=4, max_staleness=0)).start()
+    buckets = plan_buckets(SPECS, 64)
+    pusher = WeightPusher(load_config(None, ["sync.timeout_s=10"]), buckets, HOST, 0, service.address)
+    member = FetchLoop(pusher.sender, buckets, buffers=1)
+    watcher = BufferClient(service.address, timeout_s=5.0)
+    try:
+        pusher.start(params(1), 1)
+        assert pusher.wait()["sync/version"] == 1.0
+        assert watcher.stats()["buffer/version"] == 1  # published once the member acknowledged it
+        # version 1 is staged and not applied: the member's only slot is taken, so version 2 cannot arrive;
+        # start() returns all the same (the learner goes on training) and wait() is what blocks
+        t0 = time.monotonic()
+        pusher.start(params(2), 2)
+        assert time.monotonic() - t0 < 0.5 and pusher.in_flight
+        time.sleep(0.5)
+        assert watcher.stats()["buffer/version"] == 1, "version 2 was published before the member held it"
+        assert member.apply_newest()[0] == 1  # frees the slot: version 2 goes through
+        assert pusher.wait()["sync/version"] == 2.0 and watcher.stats()["buffer/version"] == 2
+        version, model = member.apply_newest()
+        assert version == 2 and torch.equal(model["w"], params(2)["w"])
+        pusher.start(params(3), 3)
+        with pytest.raises(RuntimeError, match="in flight"):
+            pusher.start(params(4), 4)
+        member.apply_newest()
+        pusher.wait()
+    finally:
+        member.stop.set()
+        watcher.close()
+        pusher.close()
+        pusher.sender.close()
+        service.stop()
