@@ -374,8 +374,18 @@ POSITIVE = (
     "train.minibatches",
     "generator.max_new_tokens", "generator.groups_in_flight", "generator.threads", "learner.threads",
     "sync.bucket_mb", "task.digits", "task.heldout_size", "model.max_model_len",
-    "run.keep_checkpoints", "resources.tensor_parallel",
+    "run.keep_checkpoints", "resources.tensor_parallel", "task.max_turns", "rewards.model_actors",
+    "rewards.model_batch_size", "buffer.max_message_mb", "generator.kv_cache_gib",
 )
+ABOVE_ZERO = ("train.lr", "train.grad_clip", "sync.timeout_s", "run.log_every_s", "rewards.timeout_s",
+              "buffer.request_timeout_s", "buffer.redis_retry_s", "buffer.visibility_timeout_s",
+              "buffer.reward_deadline_s", "generator.temperature", "train.ppo.critic_lr", "train.dpo.beta")
+"""Seconds, rates and scales for which 0 (or less) means nothing sensible."""
+NON_NEGATIVE_NUMBERS = ("train.weight_decay", "train.objective.kl_coef", "train.ppo.kl_coef",
+                        "train.ppo.value_clip", "train.ppo.reward_clip", "train.ppo.advantage_clip",
+                        "run.num_cpus", "task.digits")
+PORTS = ("buffer.port",)
+"""TCP ports: 0 (pick a free one) to 65535."""
 NON_NEGATIVE = ("train.max_staleness", "learner.zero_stage", "task.sft_steps", "generator.eval_every",
                 "run.checkpoint_every", "run.generator_max_restarts", "resources.generator_cpus",
                 "resources.generator_gpus", "resources.learner_cpus", "resources.learner_gpus",
@@ -467,6 +477,15 @@ def validate(cfg: Config) -> Config:
     for key in NON_NEGATIVE:
         if _get(cfg, key) < 0:
             raise ConfigError(f"{key} must be 0 or more, got {_get(cfg, key)}")
+    for key in ABOVE_ZERO:
+        if not _get(cfg, key) > 0:
+            raise ConfigError(f"{key} must be above 0, got {_get(cfg, key)}")
+    for key in NON_NEGATIVE_NUMBERS:
+        if not _get(cfg, key) >= 0:
+            raise ConfigError(f"{key} must be 0 or more, got {_get(cfg, key)}")
+    for key in PORTS:
+        if not 0 <= _get(cfg, key) <= 65535:
+            raise ConfigError(f"{key} must be a TCP port, 0-65535 (0 picks a free one), got {_get(cfg, key)}")
     for key, allowed in CHOICES.items():
         if _get(cfg, key) not in allowed:
             raise ConfigError(f"{key} must be one of {', '.join(allowed)}; got {_get(cfg, key)!r}")

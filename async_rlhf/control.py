@@ -12,8 +12,11 @@ on loopback whose address the driver writes to ``run_dir/control.json``:
     python launch/cluster.py scale --run-dir runs/demo --generators 2
 
 Messages are JSON objects (never pickled): ``{"op": "scale", "generators": 2}``, ``{"op": "stop"}`` (end the
-run early with a checkpoint), ``{"op": "status"}`` or ``{"op": "pids"}`` (process ids of the learner ranks and
-generators, e.g. to send one a signal in a fault test).
+run early with a checkpoint), ``{"op": "status"}`` or ``{"op": "pids"}`` (process ids of the learner ranks,
+generators and the buffer, e.g. to send one a signal in a fault test). A request is one frame of at most
+``MAX_REQUEST_BYTES`` (ZeroMQ drops a peer that sends more); anything else (not JSON, not an object, an
+unknown op or key, a target that is not a strict integer or more than the cluster can place, several frames)
+is answered ``{"ok": false, "error": ...}`` and the endpoint keeps serving.
 """
 
 from __future__ import annotations
@@ -33,6 +36,38 @@ log = logging.getLogger(__name__)
 CONTROL_FILE = "control.json"
 MAX_GENERATORS = 4096
 RESTART_TIMEOUT_S = 300.0
+MAX_REQUEST_BYTES = 64 << 10
+OPS = {"scale": {"generators"}, "stop": set(), "status": set(), "pids": set()}
+"""Each op and the keys it takes besides ``op``."""
+
+
+class RequestError(ValueError):
+    """A control request that cannot be served; the message says what a valid one looks like."""
+
+
+def parse_request(raw: bytes, max_generators: int) -> dict[str, Any]:
+    """The request in ``raw``, checked: a JSON object with a known ``op``, only that op's keys, and for
+    ``scale`` a strict integer between 1 and ``max_generators``."""
+    try:
+        msg = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise RequestError(f"not a JSON request ({type(exc).__name__}); send e.g. {{\"op\": \"status\"}}") from None
+    if type(msg) is not dict:
+        raise RequestError(f"a request is a JSON object such as {{\"op\": \"status\"}}, not {type(msg).__name__}")
+    op = msg.get("op")
+    if not isinstance(op, str) or op not in OPS:
+        raise RequestError(f"unknown op {str(op)[:40]!r}; use {', '.join(OPS)}")
+    extra = set(msg) - OPS[op] - {"op"}
+    if extra:
+        raise RequestError(f"op {op} takes {sorted(OPS[op]) or 'no other keys'}, not {sorted(extra)[:5]}")
+    if op == "scale":
+        n = msg.get("generators")
+        if type(n) is not int:  # not bool, float, str: "3" or 2.9 or true are refused, not guessed
+            raise RequestError(f"scale needs generators, an integer; got {str(n)[:40]!r}")
+        if not 1 <= n <= max_generators:
+            raise RequestError(f"generators must be between 1 and {max_generators} (what this cluster can place "
+                               f"now), got {n if abs(n) < 10**12 else 'a huge number'}")
+    return msg
 
 
 class Fleet:
@@ -63,10 +98,26 @@ class Fleet:
 
     # -- requests (any thread) ----------------------------------------------------------------
     def request_scale(self, generators: int) -> None:
-        if not 1 <= int(generators) <= MAX_GENERATORS:
-            raise ValueError(f"--generators must be between 1 and {MAX_GENERATORS}, got {generators}")
+        if type(generators) is not int or not 1 <= generators <= MAX_GENERATORS:
+            raise ValueError(f"--generators must be an integer between 1 and {MAX_GENERATORS}, got {generators!r}")
         with self._lock:
-            self._target = int(generators)
+            self._target = generators
+
+    def max_generators(self) -> int:
+        """The largest fleet the cluster can hold now: the live generators plus as many more as Ray's free
+        CPUs and GPUs fit (``resources.generator_cpus``/``generator_gpus`` each); any thread."""
+        import ray
+
+        res = self.cluster.cfg.resources
+        free = ray.available_resources()
+        fits = [MAX_GENERATORS]
+        if res.generator_cpus > 0:
+            fits.append(int(free.get("CPU", 0.0) // res.generator_cpus))
+        if res.generator_gpus > 0:
+            fits.append(int(free.get("GPU", 0.0) // res.generator_gpus))
+        with self._lock:
+            live = len(self.handles) - len(self.draining)
+        return min(MAX_GENERATORS, live + min(fits))
 
     def request_stop(self) -> None:
         """End the run early: learners stop at a common step boundary and write a final checkpoint."""
@@ -86,14 +137,19 @@ class Fleet:
             gens = dict(self.handles)
         refs = {lr.__ray_call__.remote(_actor_pid): ("learners", r) for r, lr in enumerate(self.cluster.learners)}
         refs.update({g.__ray_call__.remote(_actor_pid): ("generators", gen) for gen, g in gens.items()})
+        refs[self.cluster.buffer.__ray_call__.remote(_actor_pid)] = ("buffer", None)
         ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
-        out: dict[str, Any] = {"learners": {}, "generators": {}}
+        out: dict[str, Any] = {"learners": {}, "generators": {}, "buffer": None}
         for ref in ready:
             role, key = refs[ref]
             try:
-                out[role][str(key)] = int(ray.get(ref))
+                pid = int(ray.get(ref))
             except ray.exceptions.RayError:
                 continue  # died since
+            if key is None:
+                out[role] = pid
+            else:
+                out[role][str(key)] = pid
         return out
 
     def metrics(self) -> dict[str, float]:
@@ -254,15 +310,20 @@ class Fleet:
 
 
 class ControlServer:
-    """ZeroMQ REP on loopback answering scale and status requests for one :class:`Fleet`."""
+    """ZeroMQ ROUTER on loopback answering scale, stop, status and pids requests for one :class:`Fleet`.
 
-    def __init__(self, fleet: Fleet, run_dir: Path, host: str = "127.0.0.1") -> None:
+    A ROUTER, not a REP: a peer that sends several frames or never reads its reply cannot wedge the socket's
+    request/reply state for everyone else (``send_control``'s REQ socket talks to it unchanged)."""
+
+    def __init__(self, fleet: Any, run_dir: Path, host: str = "127.0.0.1") -> None:
         import zmq
 
         self.fleet = fleet
         self._ctx = zmq.Context.instance()
-        self._sock = self._ctx.socket(zmq.REP)
+        self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)  # a larger frame drops its peer unread
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
         port = self._sock.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{host}:{port}"
         self.file = run_dir / CONTROL_FILE
@@ -273,28 +334,42 @@ class ControlServer:
 
     def _serve(self) -> None:
         while not self._stop.is_set():
-            if not self._sock.poll(200):
-                continue
-            raw = self._sock.recv()
             try:
-                reply = self._handle(json.loads(raw.decode()))
-            except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
-                reply = {"ok": False, "error": str(exc)}
-            self._sock.send(json.dumps(reply).encode())
+                if not self._sock.poll(200):
+                    continue
+                frames = self._sock.recv_multipart()
+                self._sock.send_multipart([*self._envelope(frames), json.dumps(self._answer(frames)).encode()])
+            except Exception:  # noqa: BLE001 - the endpoint outlives any one request
+                log.exception("control endpoint: a request could not be answered; serving on")
+
+    @staticmethod
+    def _envelope(frames: list[bytes]) -> list[bytes]:
+        """The routing id and, from a REQ peer, its empty delimiter."""
+        return frames[:2] if len(frames) > 1 and frames[1] == b"" else frames[:1]
+
+    def _answer(self, frames: list[bytes]) -> dict[str, Any]:
+        body = frames[len(self._envelope(frames)):]
+        try:
+            if len(body) != 1:
+                raise RequestError(f"a request is one frame, got {len(body)}")
+            limit = self.fleet.max_generators() if hasattr(self.fleet, "max_generators") else MAX_GENERATORS
+            return self._handle(parse_request(body[0], limit))
+        except RequestError as exc:
+            return {"ok": False, "error": str(exc)}
+        except Exception as exc:  # noqa: BLE001 - e.g. Ray failing under a status request
+            return {"ok": False, "error": f"{type(exc).__name__}: {str(exc)[:200]}"}
 
     def _handle(self, msg: dict[str, Any]) -> dict[str, Any]:
-        op = msg.get("op")
+        op = msg["op"]
         if op == "scale":
-            self.fleet.request_scale(int(msg["generators"]))
+            self.fleet.request_scale(msg["generators"])
             return {"ok": True, "applied_at": "next progress poll (membership at the next version boundary)"}
         if op == "stop":
             self.fleet.request_stop()
             return {"ok": True, "applied_at": "learners stop at the next common step, with a checkpoint"}
         if op == "status":
             return {"ok": True, **self.fleet.status()}
-        if op == "pids":
-            return {"ok": True, **self.fleet.pids()}
-        raise ValueError(f"unknown op {op!r}; use scale, stop, status or pids")
+        return {"ok": True, **self.fleet.pids()}
 
     def close(self) -> None:
         self._stop.set()

@@ -20,6 +20,7 @@ from typing import Any
 
 from async_rlhf.checkpoint import commit, list_checkpoints, read_manifest, truncate_jsonl
 from async_rlhf.config import Config
+from async_rlhf.generator.stream import key_of_group
 from async_rlhf.prompt_ledger import PromptLedger
 
 log = logging.getLogger(__name__)
@@ -107,7 +108,7 @@ class TrainProgress:
         skipped = [gid for d in per_rank for gid in d.get("skipped_ids", [])]
         self.ledger.observe_trained(ids + skipped)  # a skipped (zero-advantage) prompt is used up too
         self._data.write(json.dumps({"step": step, "version": rec.get("version"), "group_ids": ids,
-                                     "skipped_ids": skipped}) + "\n")
+                                     "prompt_keys": [key_of_group(g) for g in ids], "skipped_ids": skipped}) + "\n")
         self._data.flush()
         rec["data/duplicates"] = len(self.ledger.duplicates)
 

@@ -182,6 +182,7 @@ def check_prompts_once(run_dir: Path, manifest: dict[str, Any], steps: int) -> l
     lines = data_ledger(run_dir)
     assert [x["step"] for x in lines] == list(range(1, steps + 1))
     keys = [key_of_group(g) for x in lines for g in x["group_ids"]]
+    assert keys == [k for x in lines for k in x["prompt_keys"]], "the ledger's prompt keys name its groups' prompts"
     assert len(keys) == len(set(keys)), "a prompt was trained twice"
     used = keys + [key_of_group(g) for x in lines for g in x.get("skipped_ids", [])]  # zero-advantage: used up
     assert len(used) == len(set(used)), "a prompt was both trained and skipped, or skipped twice"

@@ -242,3 +242,22 @@ def test_model_dir_that_is_not_a_causal_lm(tmp_path, archs):
 def test_causal_lm_dir_passes(tmp_path, arch):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": [arch], "model_type": "x"}))
     assert check_model_dir(str(tmp_path)) is None
+
+
+@pytest.mark.parametrize("override, words", [
+    ("buffer.port=99999", "buffer.port must be a TCP port, 0-65535"),
+    ("buffer.port=-1", "buffer.port must be a TCP port"),
+    ("sync.timeout_s=0", "sync.timeout_s must be above 0"),
+    ("rewards.timeout_s=-5", "rewards.timeout_s must be above 0"),
+    ("train.lr=0", "train.lr must be above 0"),
+    ("buffer.max_message_mb=0", "buffer.max_message_mb must be at least 1"),
+    ("train.weight_decay=-0.1", "train.weight_decay must be 0 or more"),
+])
+def test_out_of_range_values_are_refused_with_the_key_and_the_range(override: str, words: str) -> None:
+    with pytest.raises(ConfigError, match=words):
+        load_config(None, [override])
+
+
+def test_port_bounds_are_accepted() -> None:
+    assert load_config(None, ["buffer.port=0"]).buffer.port == 0
+    assert load_config(None, ["buffer.port=65535"]).buffer.port == 65535
