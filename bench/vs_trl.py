@@ -6,8 +6,9 @@ For each task (``addition``: the demo's 2-digit addition, answers of a few token
     start       the project's tiny Qwen2 policy with its SFT warm start (runs/cache), the same for both sides
     TRL         GRPOTrainer (pinned in the ``bench`` extra): 8 prompts x 8 completions per step, lr 1e-4
                 constant, temperature 1, beta 0 (no KL), fp32 on CPU, 2 torch threads, transformers generate,
-                the task's own reward rule; held-out greedy accuracy every ``--eval-every-s`` of training time
-                (the clock is paused while it evaluates), stopped after ``--budget-s`` of training time
+                the task's own reward rule; held-out greedy accuracy after 1 s of training time, then every
+                quarter of the time so far, at most every ``--eval-every-s`` (the clock is paused while it
+                evaluates: TRL's evaluations are free, ours are not), stopped after ``--budget-s`` of training
     async_rlhf  launch/cluster.py --generators 2 --learners 1 with the same settings (its defaults otherwise:
                 decoupled PPO, dynamic sampling); the budget starts at its first learner step (start-up is not
                 counted) and ends with {"op": "stop"} on its control endpoint; held-out accuracy from its
@@ -94,7 +95,7 @@ def run_trl(cfg: Any, model_dir: str, budget_s: float, eval_every_s: float, work
         """Training time without evaluations; evaluates and stops on it."""
 
         def __init__(self) -> None:
-            self.train_s, self.last, self.next_eval = 0.0, time.perf_counter(), eval_every_s
+            self.train_s, self.last, self.next_eval = 0.0, time.perf_counter(), 1.0
 
         def _eval(self, step: int) -> None:
             acc = greedy_accuracy(model, tokenizer, heldout, new_tokens)
@@ -104,8 +105,8 @@ def run_trl(cfg: Any, model_dir: str, budget_s: float, eval_every_s: float, work
         def on_step_end(self, args: Any, state: Any, control: Any, **_: Any) -> None:
             self.train_s += time.perf_counter() - self.last
             if self.train_s >= self.next_eval or self.train_s >= budget_s:
-                self._eval(state.global_step)
-                self.next_eval = self.train_s + eval_every_s
+                self._eval(state.global_step)  # densely at first, where the curve rises: every quarter of the
+                self.next_eval = self.train_s + max(1.0, min(eval_every_s, self.train_s / 4))  # time so far
             if self.train_s >= budget_s:
                 control.should_training_stop = True
             self.last = time.perf_counter()
@@ -217,7 +218,7 @@ def compare(task: str, budget_s: float, eval_every_s: float, out_dir: Path) -> d
         print(f"[{task}] TRL GRPOTrainer, {budget_s:.0f} s of training", flush=True)
         trl = run_trl(cfg, model_dir, budget_s, eval_every_s, work)
         print(f"[{task}] async_rlhf, {budget_s:.0f} s from its first step", flush=True)
-        eval_every = 25 if task == "addition" else 5
+        eval_every = 10 if task == "addition" else 5
         ours = run_ours(TASKS[task] + SHARED, model_dir, budget_s, eval_every, work)
         (out_dir / f"{task}_ours.log").write_text((work / "ours.log").read_text())
     plot(task, trl, ours, out_dir / f"{task}_curves.png")
