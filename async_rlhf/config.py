@@ -67,6 +67,9 @@ class RewardsConfig:
     """Remote scorer: POST {prompt, completions, data} as JSON, answer {rewards: [...]} (one per completion)."""
     timeout_s: float = 30.0
     """A reward not computed within this many seconds counts as a timeout; the group is then dropped."""
+    max_consecutive_failures: int = 20
+    """Reward failures or timeouts in a row on one generator that stop the run with the source's error
+    (0: never; each failed group is dropped and its prompt generated again)."""
 
 
 @dataclass
@@ -300,6 +303,9 @@ class RunConfig:
     """Most recent checkpoints kept on disk; older ones are deleted once a newer one is complete."""
     control: bool = True
     """Serve the scale endpoint (ZeroMQ REP on loopback; its address is written to run.dir/control.json)."""
+    stall_timeout_s: float = 300.0
+    """No learner step for this many seconds stops the run with what every role was doing and the likely
+    cause (0: never)."""
     generator_max_restarts: int = 3
     """Times Ray restarts a generator whose process died (its in-flight prompts are re-issued)."""
 
@@ -381,12 +387,13 @@ ABOVE_ZERO = ("train.lr", "train.grad_clip", "sync.timeout_s", "run.log_every_s"
               "buffer.request_timeout_s", "buffer.redis_retry_s", "buffer.visibility_timeout_s",
               "buffer.reward_deadline_s", "generator.temperature", "train.ppo.critic_lr", "train.dpo.beta")
 """Seconds, rates and scales for which 0 (or less) means nothing sensible."""
-NON_NEGATIVE_NUMBERS = ("train.weight_decay", "train.objective.kl_coef", "train.ppo.kl_coef",
+NON_NEGATIVE_NUMBERS = ("run.stall_timeout_s", "train.weight_decay", "train.objective.kl_coef", "train.ppo.kl_coef",
                         "train.ppo.value_clip", "train.ppo.reward_clip", "train.ppo.advantage_clip",
                         "run.num_cpus", "task.digits")
 PORTS = ("buffer.port",)
 """TCP ports: 0 (pick a free one) to 65535."""
-NON_NEGATIVE = ("train.max_staleness", "learner.zero_stage", "task.sft_steps", "generator.eval_every",
+NON_NEGATIVE = ("rewards.max_consecutive_failures",
+                "train.max_staleness", "learner.zero_stage", "task.sft_steps", "generator.eval_every",
                 "run.checkpoint_every", "run.generator_max_restarts", "resources.generator_cpus",
                 "resources.generator_gpus", "resources.learner_cpus", "resources.learner_gpus",
                 "resources.buffer_cpus")

@@ -41,6 +41,10 @@ OPS = {"scale": {"generators"}, "stop": set(), "status": set(), "pids": set()}
 """Each op and the keys it takes besides ``op``."""
 
 
+class RunFailure(RuntimeError):
+    """A role failed in a way a restart cannot mend (e.g. its reward source is broken): the run stops."""
+
+
 class RequestError(ValueError):
     """A control request that cannot be served; the message says what a valid one looks like."""
 
@@ -213,6 +217,9 @@ class Fleet:
             except ray.exceptions.RayActorError as exc:
                 self._restart(gen, exc)
                 continue
+            except ray.exceptions.RayTaskError as exc:  # run() raised: a restart would raise the same
+                cause = exc.cause if exc.cause is not None else exc
+                raise RunFailure(f"generator {gen}: {type(cause).__name__}: {cause}") from exc
             if gen in self.draining:  # scaled down: every group it started is in the buffer now
                 handle = self.draining.pop(gen)
                 self.ledger.observe_position(gen, int(self.final_stats[gen].get("position", 0)))

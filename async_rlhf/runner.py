@@ -211,6 +211,21 @@ def failed_learners(train_refs: list[Any], wait_s: float = 10.0) -> dict[int, st
     return failed
 
 
+def stop_stalled(cluster: Cluster, gen_stats: list[dict[str, Any]], buf: dict[str, Any], stalled_s: float) -> None:
+    """Print what every role is doing and raise :class:`RunFailure` with the likely cause."""
+    import ray
+
+    from async_rlhf.control import RunFailure
+    from async_rlhf.stall import diagnose_stall, role_lines
+
+    refs = [lr.current_state.remote() for lr in cluster.learners]
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=5.0)
+    states = [ray.get(r) if r in ready else "not answering" for r in refs]
+    for line in role_lines(gen_stats, buf, states):
+        print(f"stalled: {line}", flush=True)
+    raise RunFailure(diagnose_stall(gen_stats, buf, states, stalled_s))
+
+
 def _progress_line(rec: dict[str, Any], steps: int, acc: str, tok_s: float, depth: int, elapsed: float) -> str:
     return (f"step {rec['step']:>4}/{steps} | v{rec['version']:<4} | reward {rec['rollout/reward_mean']:.3f} | "
             f"held-out acc {acc} | gen {tok_s:7.0f} tok/s | staleness {rec['staleness/mean']:.2f} | "
@@ -251,6 +266,7 @@ def train(cfg: Config, cluster: Cluster, run_dir: Path, resume: Path | None = No
     stopping = False
     try:
         pending = list(train_refs)
+        last_progress = time.time()
         while pending:
             done, pending = ray.wait(pending, timeout=0.5)
             ray.get(done)  # surfaces a learner failure at once
@@ -288,6 +304,10 @@ def train(cfg: Config, cluster: Cluster, run_dir: Path, resume: Path | None = No
                 writer.write(rec, rec["step"])
                 progress.after_write(rec)
             records += new
+            if new:
+                last_progress = now
+            elif cfg.run.stall_timeout_s and now - last_progress > cfg.run.stall_timeout_s:
+                stop_stalled(cluster, gen_stats, buf, now - last_progress)
             if records and now - last_print >= cfg.run.log_every_s:
                 last_print = now
                 print(_progress_line(records[-1], cfg.train.steps, acc, tok_s, buf["buffer/depth"], now - t_start),

@@ -58,6 +58,11 @@ class Timeline:
                 out[self._state] = out.get(self._state, 0.0) + time.time() - self._since
             return out
 
+    @property
+    def state(self) -> str | None:
+        """The state open now (None when stopped)."""
+        return self._state
+
     def intervals(self) -> list[tuple[str, float, float]]:
         with self._lock:
             return list(self._intervals)

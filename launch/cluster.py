@@ -153,12 +153,13 @@ def main(argv: list[str] | None = None) -> int:
         run(cfg, address=args.address, resume=args.checkpoint)
     except Exception as exc:  # a role failed mid-run: the job has stopped its actors; say how to go on
         from async_rlhf.checkpoint import list_checkpoints
+        from async_rlhf.control import RunFailure
         from async_rlhf.runner import LearnerFailure
 
         trace = Path(cfg.run.dir) / "error.log"  # the whole traceback, for whoever debugs it
         trace.parent.mkdir(parents=True, exist_ok=True)
         trace.write_text(traceback.format_exc())
-        if not isinstance(exc, LearnerFailure):  # a learner's death is explained by the line below
+        if not isinstance(exc, (LearnerFailure, RunFailure)):  # these are explained by the line below
             logging.getLogger("launch").exception("the run failed")
         done = list_checkpoints(cfg.run.dir)
         hint = f"resume with --resume {done[-1]}" if done else "no checkpoint was written (run.checkpoint_every)"

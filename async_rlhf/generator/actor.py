@@ -39,6 +39,7 @@ from async_rlhf.env.registry import make_env
 from async_rlhf.generator.groups import GroupRunner
 from async_rlhf.generator.rollout import EnginePolicy
 from async_rlhf.generator.stream import PromptStream, group_id
+from async_rlhf.rewards.streak import FailureStreak
 from async_rlhf.timeline import Timeline
 
 log = logging.getLogger(__name__)
@@ -88,6 +89,7 @@ class GeneratorActor:
             "update_failures": 0, "reward_timeouts": 0, "rewards_late": 0, "env_errors": 0,
         }
         self.timeline = Timeline(f"generator {gen_id}")
+        self._reward_streak = FailureStreak(cfg.rewards.max_consecutive_failures, cfg.rewards.sources)
         self.produced: list[str] = []
         self.dropped: dict[str, str] = {}
         self.evals: list[dict[str, float]] = []
@@ -184,6 +186,7 @@ class GeneratorActor:
         self._running.set()
         try:
             while not self._stop.is_set() and not (self._draining.is_set() and len(self._groups) == 0):
+                self._reward_streak.check(self.gen_id)  # a broken reward source stops the run, named
                 # 1) weight update: received by the worker's fetch thread while the engine keeps generating,
                 #    swapped in at a step boundary (in_flight) or once nothing is in flight (drain)
                 drain = gen_cfg.update_mode == "drain"
@@ -329,6 +332,7 @@ class GeneratorActor:
 
     def _record(self, event: str, gid: str, rewards: list[float] | None, reason: str) -> None:
         """Ledger and counters of the GroupRunner's events (see ``generator/groups.py``)."""
+        self._reward_streak.observe(event, reason)
         with self._lock:
             if event in ("put", "put_pending"):
                 self.produced.append(gid)

@@ -404,6 +404,13 @@ class LearnerActor:
     def current_step(self) -> int:
         return self.step
 
+    def current_state(self) -> str:
+        """What this rank is doing now (its timeline state, e.g. wait_data or push_wait) and for how long."""
+        totals = self.timeline.totals()
+        state = self.timeline.state
+        return f"{state or 'idle'} at step {self.step}" + (f" ({totals.get(state, 0.0):.0f} s in it overall)"
+                                                          if state else "")
+
     def request_stop(self, at_step: int) -> None:
         """End train() after step ``at_step`` (the same on every rank: steps are collective), checkpointed."""
         self._stop_at = int(at_step)
