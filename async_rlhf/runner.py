@@ -211,6 +211,23 @@ def failed_learners(train_refs: list[Any], wait_s: float = 10.0) -> dict[int, st
     return failed
 
 
+def check_buffer_alive(cluster: Cluster) -> None:
+    """Stop the run with :class:`RunFailure` if the buffer actor is gone (it is not restarted: a memory store's
+    groups died with it; a Redis store keeps them for ``--resume``)."""
+    import ray
+
+    from async_rlhf.control import RunFailure
+
+    try:
+        ray.get(cluster.buffer.address.remote(), timeout=10.0)
+    except ray.exceptions.GetTimeoutError:
+        return  # busy, not dead
+    except ray.exceptions.RayActorError as exc:
+        kept = ("the Redis store keeps its groups for --resume" if cluster.cfg.buffer.store == "redis"
+                else "the groups it held in memory are lost")
+        raise RunFailure(f"the buffer actor died ({type(exc).__name__}); {kept}") from exc
+
+
 def stop_stalled(cluster: Cluster, gen_stats: list[dict[str, Any]], buf: dict[str, Any], stalled_s: float) -> None:
     """Print what every role is doing and raise :class:`RunFailure` with the likely cause."""
     import ray
@@ -266,7 +283,7 @@ def train(cfg: Config, cluster: Cluster, run_dir: Path, resume: Path | None = No
     stopping = False
     try:
         pending = list(train_refs)
-        last_progress = time.time()
+        last_progress = last_buffer_check = time.time()
         while pending:
             done, pending = ray.wait(pending, timeout=0.5)
             ray.get(done)  # surfaces a learner failure at once
@@ -279,6 +296,9 @@ def train(cfg: Config, cluster: Cluster, run_dir: Path, resume: Path | None = No
             if records:
                 fleet.heal(records[-1]["version"])
             new = ray.get(cluster.learners[0].metrics_since.remote(len(records)))
+            if time.time() - last_buffer_check > 2.0:
+                check_buffer_alive(cluster)
+                last_buffer_check = time.time()
             buf = buffer.stats()
             tokens = sum(s["tokens"] for s in gen_stats)
             now = time.time()
