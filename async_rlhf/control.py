@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 CONTROL_FILE = "control.json"
 MAX_GENERATORS = 4096
 RESTART_TIMEOUT_S = 300.0
+STOP_TIMEOUT_S = 60.0
 MAX_REQUEST_BYTES = 64 << 10
 OPS = {"scale": {"generators"}, "stop": set(), "status": set(), "pids": set()}
 """Each op and the keys it takes besides ``op``."""
@@ -300,12 +301,19 @@ class Fleet:
             ray.get(handle.stop.remote(drain=True))
             self.draining[gen] = handle
 
-    def stop_all(self) -> list[dict[str, Any]]:
+    def stop_all(self, timeout_s: float = STOP_TIMEOUT_S) -> list[dict[str, Any]]:
+        """Stop every generator and collect its final stats; one that has not ended within ``timeout_s``
+        (stuck on a dead buffer, say) is left for the caller to kill."""
         import ray
 
         for handle in self.handles.values():
             handle.stop.remote()
+        runs = list(self.runs.values())
+        ended = ray.wait(runs, num_returns=len(runs), timeout=timeout_s)[0] if runs else []
         for gen, ref in list(self.runs.items()):
+            if ref not in ended:
+                log.error("generator %d did not stop within %.0f s", gen, timeout_s)
+                continue
             try:
                 self.final_stats[gen] = ray.get(ref)
             except ray.exceptions.RayError as exc:

@@ -259,6 +259,7 @@ def train(cfg: Config, cluster: Cluster, run_dir: Path, resume: Path | None = No
     import ray
 
     from async_rlhf.buffer.build import make_client
+    from async_rlhf.buffer.client import BufferUnavailable
     from async_rlhf.control import ControlServer, Fleet
     from async_rlhf.metrics import MetricsWriter
     from async_rlhf.progress import TrainProgress
@@ -299,7 +300,11 @@ def train(cfg: Config, cluster: Cluster, run_dir: Path, resume: Path | None = No
             if time.time() - last_buffer_check > 2.0:
                 check_buffer_alive(cluster)
                 last_buffer_check = time.time()
-            buf = buffer.stats()
+            try:
+                buf = buffer.stats()
+            except BufferUnavailable:
+                check_buffer_alive(cluster)  # a dead buffer actor: one clear error, not the timeout
+                raise
             tokens = sum(s["tokens"] for s in gen_stats)
             now = time.time()
             if now - last_t >= 1.0:
