@@ -261,6 +261,11 @@ class GeneratorActor:
                     finished = finished or out.finished
                 if finished or runner.reward_tasks or time.monotonic() - runner.last_pump > 0.01:
                     runner.pump()
+            # a stopped generator holds the newest version it received (the learner's last push was
+            # acknowledged before it stopped): load it, so the engine ends on the final weights
+            last = self.llm.collective_rpc("staged_version")[0]
+            if last is not None and last > self.version:
+                self._load_version()
         finally:
             self.timeline.stop()
             abandoned = self.policy.cancel_all()
