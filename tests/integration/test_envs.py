@@ -127,6 +127,9 @@ def streamed_run(ray_session: None, tiny_model_dir: Path, tmp_path_factory: pyte
                              f"prompts.redis_url={redis_server.url}", f"prompts.stream={stream}",
                              "rewards.sources=http", f"rewards.http_url={scorer.url}",
                              "rewards.timeout_s=2.5", "buffer.reward_deadline_s=1.5", "train.max_staleness=8",
+                             # every prompt counts here (46 for 16 trained groups, some lost to the silent
+                             # scorer): uniform groups are trained, not dropped and replaced by new prompts
+                             "train.drop_zero_advantage=off",
                              f"model.path={tiny_model_dir}", f"run.dir={run_dir}"])
     try:
         out = run_cluster(cfg, tiny_model_dir, run_dir, during=feed, settle_s=6.0)
