@@ -95,6 +95,7 @@ class Fleet:
         self.last_stats: dict[int, dict[str, Any]] = {}
         self.incarnation: Counter[int] = Counter()
         self._joined_at: dict[int, float] = {}
+        self._lagging_since: dict[int, float] = {}
         self.counters: Counter[str] = Counter()
         self.events: list[dict[str, Any]] = []
         self._target: int | None = None
@@ -265,11 +266,19 @@ class Fleet:
         """Re-join a live generator the push group dropped (a push timed out on it under load): one that
         lags the learner by more than the staleness bound can never serve again, and waits forever."""
         cfg = self.cluster.cfg
+        now = time.monotonic()
         for gen, handle in list(self.handles.items()):
             lag = learner_version - int(self.last_stats.get(gen, {}).get("version", learner_version))
-            recent = time.monotonic() - self._joined_at.get(gen, 0.0) < 3 * cfg.sync.timeout_s
-            if gen in self.draining or gen not in self.runs or recent or lag <= cfg.train.max_staleness + 2:
+            if lag <= cfg.train.max_staleness + 2:
+                self._lagging_since.pop(gen, None)
                 continue
+            # the learner no longer waits for generators, so a lag of a few versions comes and goes: only one
+            # that lasts a push timeout is a generator the push group dropped
+            since = self._lagging_since.setdefault(gen, now)
+            recent = now - self._joined_at.get(gen, 0.0) < 3 * cfg.sync.timeout_s
+            if gen in self.draining or gen not in self.runs or recent or now - since < cfg.sync.timeout_s:
+                continue
+            self._lagging_since.pop(gen, None)
             self.incarnation[gen] += 1
             self._joined_at[gen] = time.monotonic()
             self.cluster.join_late(self.member_id(gen), handle)

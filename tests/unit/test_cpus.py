@@ -113,8 +113,13 @@ def _niceness_after_pinning(queue) -> None:
     t = threading.Thread(target=lambda: late.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
     t.start()
     t.join()
-    tids = [int(t) for t in os.listdir("/proc/self/task")]
-    queue.put((before, [os.getpriority(os.PRIO_PROCESS, tid) for tid in tids], late[0]))
+    every = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            every.append(os.getpriority(os.PRIO_PROCESS, int(tid)))
+        except ProcessLookupError:  # a helper thread that ended meanwhile
+            continue
+    queue.put((before, every, late[0]))
     started.set()
 
 
