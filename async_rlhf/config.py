@@ -387,16 +387,15 @@ ABOVE_ZERO = ("train.lr", "train.grad_clip", "sync.timeout_s", "run.log_every_s"
               "buffer.request_timeout_s", "buffer.redis_retry_s", "buffer.visibility_timeout_s",
               "buffer.reward_deadline_s", "generator.temperature", "train.ppo.critic_lr", "train.dpo.beta")
 """Seconds, rates and scales for which 0 (or less) means nothing sensible."""
-NON_NEGATIVE_NUMBERS = ("run.stall_timeout_s", "train.weight_decay", "train.objective.kl_coef", "train.ppo.kl_coef",
-                        "train.ppo.value_clip", "train.ppo.reward_clip", "train.ppo.advantage_clip",
-                        "run.num_cpus", "task.digits")
 PORTS = ("buffer.port",)
 """TCP ports: 0 (pick a free one) to 65535."""
 NON_NEGATIVE = ("rewards.max_consecutive_failures",
                 "train.max_staleness", "learner.zero_stage", "task.sft_steps", "generator.eval_every",
                 "run.checkpoint_every", "run.generator_max_restarts", "resources.generator_cpus",
                 "resources.generator_gpus", "resources.learner_cpus", "resources.learner_gpus",
-                "resources.buffer_cpus")
+                "resources.buffer_cpus", "run.stall_timeout_s", "train.weight_decay", "train.objective.kl_coef",
+                "train.ppo.kl_coef", "train.ppo.value_clip", "train.ppo.reward_clip", "train.ppo.advantage_clip",
+                "run.num_cpus", "generator.min_swap_interval_s")
 
 
 def _set_nested(obj: Any, dotted: str, raw: Any, origin: str) -> None:
@@ -482,14 +481,11 @@ def validate(cfg: Config) -> Config:
         if _get(cfg, key) <= 0:
             raise ConfigError(f"{key} must be at least 1, got {_get(cfg, key)}")
     for key in NON_NEGATIVE:
-        if _get(cfg, key) < 0:
+        if not _get(cfg, key) >= 0:  # (not < 0: NaN is refused too)
             raise ConfigError(f"{key} must be 0 or more, got {_get(cfg, key)}")
     for key in ABOVE_ZERO:
         if not _get(cfg, key) > 0:
             raise ConfigError(f"{key} must be above 0, got {_get(cfg, key)}")
-    for key in NON_NEGATIVE_NUMBERS:
-        if not _get(cfg, key) >= 0:
-            raise ConfigError(f"{key} must be 0 or more, got {_get(cfg, key)}")
     for key in PORTS:
         if not 0 <= _get(cfg, key) <= 65535:
             raise ConfigError(f"{key} must be a TCP port, 0-65535 (0 picks a free one), got {_get(cfg, key)}")
@@ -533,8 +529,6 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"sync.receive_buffers must be 1 or 2, got {cfg.sync.receive_buffers}")
     if not 0 <= cfg.generator.nice <= 19:
         raise ConfigError(f"generator.nice must lie in 0-19 (added niceness), got {cfg.generator.nice}")
-    if cfg.generator.min_swap_interval_s < 0:
-        raise ConfigError(f"generator.min_swap_interval_s must be 0 or more, got {cfg.generator.min_swap_interval_s}")
     if cfg.generator.temperature <= 0:
         raise ConfigError("generator.temperature must be above 0 for training rollouts")
     _check_cpus(cfg)

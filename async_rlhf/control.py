@@ -26,6 +26,7 @@ import logging
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -50,9 +51,10 @@ class RequestError(ValueError):
     """A control request that cannot be served; the message says what a valid one looks like."""
 
 
-def parse_request(raw: bytes, max_generators: int) -> dict[str, Any]:
+def parse_request(raw: bytes, max_generators: Callable[[], int]) -> dict[str, Any]:
     """The request in ``raw``, checked: a JSON object with a known ``op``, only that op's keys, and for
-    ``scale`` a strict integer between 1 and ``max_generators``."""
+    ``scale`` a strict integer between 1 and ``max_generators()`` (asked only for a scale request: it reads
+    the cluster's free resources)."""
     try:
         msg = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
@@ -69,9 +71,9 @@ def parse_request(raw: bytes, max_generators: int) -> dict[str, Any]:
         n = msg.get("generators")
         if type(n) is not int:  # not bool, float, str: "3" or 2.9 or true are refused, not guessed
             raise RequestError(f"scale needs generators, an integer; got {str(n)[:40]!r}")
-        if not 1 <= n <= max_generators:
-            raise RequestError(f"generators must be between 1 and {max_generators} (what this cluster can place "
-                               f"now), got {n if abs(n) < 10**12 else 'a huge number'}")
+        if n < 1 or n > (limit := max_generators()):
+            bound = "at least 1" if n < 1 else f"at most {limit} (what this cluster can place now)"
+            raise RequestError(f"generators must be {bound}, got {n if abs(n) < 10**12 else 'a huge number'}")
     return msg
 
 
@@ -347,7 +349,6 @@ class ControlServer:
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)  # a larger frame drops its peer unread
-        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
         port = self._sock.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{host}:{port}"
         self.file = run_dir / CONTROL_FILE
@@ -362,22 +363,18 @@ class ControlServer:
                 if not self._sock.poll(200):
                     continue
                 frames = self._sock.recv_multipart()
-                self._sock.send_multipart([*self._envelope(frames), json.dumps(self._answer(frames)).encode()])
+                # the routing id and, from a REQ peer, its empty delimiter; then the request's own frames
+                envelope = frames[:2] if len(frames) > 1 and frames[1] == b"" else frames[:1]
+                reply = self._answer(frames[len(envelope):])
+                self._sock.send_multipart([*envelope, json.dumps(reply).encode()])
             except Exception:  # noqa: BLE001 - the endpoint outlives any one request
                 log.exception("control endpoint: a request could not be answered; serving on")
 
-    @staticmethod
-    def _envelope(frames: list[bytes]) -> list[bytes]:
-        """The routing id and, from a REQ peer, its empty delimiter."""
-        return frames[:2] if len(frames) > 1 and frames[1] == b"" else frames[:1]
-
-    def _answer(self, frames: list[bytes]) -> dict[str, Any]:
-        body = frames[len(self._envelope(frames)):]
+    def _answer(self, body: list[bytes]) -> dict[str, Any]:
         try:
             if len(body) != 1:
                 raise RequestError(f"a request is one frame, got {len(body)}")
-            limit = self.fleet.max_generators() if hasattr(self.fleet, "max_generators") else MAX_GENERATORS
-            return self._handle(parse_request(body[0], limit))
+            return self._handle(parse_request(body[0], self.fleet.max_generators))
         except RequestError as exc:
             return {"ok": False, "error": str(exc)}
         except Exception as exc:  # noqa: BLE001 - e.g. Ray failing under a status request

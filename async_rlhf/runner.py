@@ -396,16 +396,13 @@ def learner_fractions(learners: list[dict[str, Any]]) -> dict[str, float]:
     (``learner_compute_fraction``) and waiting for a weight push beyond its own transfer, i.e. for the push
     thread to finish before the optimizer step (``learner_push_wait_fraction``)."""
     from async_rlhf.learner.actor import COMPUTE
+    from async_rlhf.timeline import busy_fraction
 
     if not learners:
         return {}
-    out = {"learner_compute_fraction": 0.0, "learner_push_wait_fraction": 0.0}
-    for tl in learners:
-        totals = tl["totals"]
-        wall = sum(totals.values()) or 1.0
-        out["learner_compute_fraction"] += sum(totals.get(k, 0.0) for k in COMPUTE) / wall / len(learners)
-        out["learner_push_wait_fraction"] += totals.get("push_wait", 0.0) / wall / len(learners)
-    return out
+    n = len(learners)
+    return {"learner_compute_fraction": sum(busy_fraction(tl["totals"], COMPUTE) for tl in learners) / n,
+            "learner_push_wait_fraction": sum(busy_fraction(tl["totals"], ("push_wait",)) for tl in learners) / n}
 
 
 def run(cfg: Config, address: str | None = None, cache_root: Path = Path("runs/cache"),

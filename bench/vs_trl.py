@@ -142,7 +142,8 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return out
 
 
-def run_ours(cfg_args: list[str], model_dir: str, budget_s: float, eval_every: int, work: Path) -> dict[str, Any]:
+def run_ours(cfg_args: list[str], group_size: int, model_dir: str, budget_s: float, eval_every: int,
+             work: Path) -> dict[str, Any]:
     from async_rlhf.control import send_control
 
     run_dir = work / "ours"
@@ -176,7 +177,7 @@ def run_ours(cfg_args: list[str], model_dir: str, budget_s: float, eval_every: i
               for r in records if r.get("kind") == "eval" and (v := int(r["version"])) in at_version]
     span = steps[-1]["time"] - first
     curve.append({"time_s": span, "step": steps[-1]["step"], "accuracy": summary["accuracy_end"]})
-    put = steps[-1].get("buffer/put", 0) * int(next(a for a in SHARED if "group_size" in a).split("=")[1])
+    put = steps[-1].get("buffer/put", 0) * group_size  # groups put -> samples generated
     return {"curve": curve, "time_s": span, "steps": steps[-1]["step"], "accuracy_end": summary["accuracy_end"],
             "samples_per_s": sum(r["rollout/samples"] for r in steps[1:]) / max(span, 1e-9),
             "generated_samples_per_s": put / max(span, 1e-9),
@@ -219,7 +220,7 @@ def compare(task: str, budget_s: float, eval_every_s: float, out_dir: Path) -> d
         trl = run_trl(cfg, model_dir, budget_s, eval_every_s, work)
         print(f"[{task}] async_rlhf, {budget_s:.0f} s from its first step", flush=True)
         eval_every = 10 if task == "addition" else 5
-        ours = run_ours(TASKS[task] + SHARED, model_dir, budget_s, eval_every, work)
+        ours = run_ours(TASKS[task] + SHARED, cfg.train.group_size, model_dir, budget_s, eval_every, work)
         (out_dir / f"{task}_ours.log").write_text((work / "ours.log").read_text())
     plot(task, trl, ours, out_dir / f"{task}_curves.png")
     target = trl["accuracy_end"]

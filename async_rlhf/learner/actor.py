@@ -124,7 +124,6 @@ class LearnerActor:
         self._lock = threading.Lock()
         self._pusher: Any = None  # rank 0: learner/push.py
         self._push_metrics: dict[str, float] = {}  # of the pushes completed during the current step
-        self._sync_push: dict[str, float] = {}  # of the last push done on this thread (ZeRO-3)
         self._step_times: defaultdict[str, float] = defaultdict(float)
         self.timeline = Timeline(f"learner {rank}")
         self._trained_by_step: dict[int, dict[str, list[str]]] = {}
@@ -159,22 +158,20 @@ class LearnerActor:
 
     def _start_push(self, version: int) -> None:
         """Hand ``version`` to the push thread (rank 0) and return at once; under ZeRO-3 gather and push
-        here (every rank takes part in the gather)."""
-        self._await_push()
+        here (every rank takes part in the gather). Metrics of finished pushes go to ``_push_metrics``."""
+        self._push_metrics.update(self._await_push())
         if self.cfg.learner.zero_stage == 3:
             with self._phase("push"), self._full_params() as params:
                 if self.rank == 0:
-                    self._sync_push = self._pusher.push(params, version)
-            return
-        if self.rank == 0:
+                    self._push_metrics.update(self._pusher.push(params, version))
+        elif self.rank == 0:
             self._pusher.start(dict(self.engine.module.named_parameters()), version)
 
     def _await_push(self) -> dict[str, float]:
         """Wait for the push in flight, if any (state ``push_wait``: the only time the learner waits on the
         fleet); returns its metrics. Raises what the push raised."""
-        done, self._sync_push = self._sync_push, {}
         if self._pusher is None or not self._pusher.in_flight:
-            return done
+            return {}
         with self._phase("push_wait"):
             return self._pusher.wait()
 
@@ -231,7 +228,6 @@ class LearnerActor:
                     self.version += 1  # these weights are version v + 1; the push thread sends them
                     self._start_push(self.version)
                 push, self._push_metrics = self._push_metrics, {}
-                push.update(self._await_push() if self.cfg.learner.zero_stage == 3 else {})
                 with self._phase("metrics"):
                     stale = trained_at - batch.versions[batch.loss_mask > 0]
                     if correction_saturated(m):

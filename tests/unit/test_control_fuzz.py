@@ -92,5 +92,9 @@ def test_multipart_oversize_and_tcp_garbage_leave_status_and_scale_working(endpo
 
 
 def test_parse_request_keeps_valid_requests_as_they_are() -> None:
-    assert parse_request(b'{"op":"scale","generators":3}', 3) == {"op": "scale", "generators": 3}
-    assert parse_request(b'{"op":"pids"}', 3) == {"op": "pids"}
+    assert parse_request(b'{"op":"scale","generators":3}', lambda: 3) == {"op": "scale", "generators": 3}
+
+    def no_resources() -> int:
+        raise AssertionError("only a scale request asks what the cluster can place")
+
+    assert parse_request(b'{"op":"pids"}', no_resources) == {"op": "pids"}

@@ -48,3 +48,15 @@ def test_busy_fraction_between_clips_intervals_to_the_window() -> None:
     assert busy_fraction_between(intervals, ("generate",), 2.0, 6.0) == pytest.approx(3.0 / 4.0)
     assert busy_fraction_between(intervals, ("generate",), 8.0, 12.0) == pytest.approx(2.0 / 4.0)  # ran out
     assert busy_fraction_between(intervals, ("generate",), 5.0, 5.0) == 0.0
+
+
+def test_learner_fractions_count_compute_and_push_wait_only() -> None:
+    from async_rlhf.runner import learner_fractions
+
+    ranks = [{"role": "learner 0", "totals": {"forward_backward": 5.0, "optimizer": 1.0, "push_wait": 2.0,
+                                              "wait_data": 2.0}},
+             {"role": "learner 1", "totals": {"collate": 2.0, "push": 4.0, "wait_data": 4.0}}]
+    out = learner_fractions(ranks)
+    assert out["learner_compute_fraction"] == pytest.approx((0.6 + 0.2) / 2)  # a synchronous push is not compute
+    assert out["learner_push_wait_fraction"] == pytest.approx((0.2 + 0.0) / 2)
+    assert learner_fractions([]) == {}
