@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint clean
+.PHONY: setup demo test test-fast test-gpu lint clean
 
 setup: $(STAMP)
 
@@ -12,10 +12,24 @@ $(STAMP): pyproject.toml scripts/setup_env.sh
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/python launch/cluster.py --generators 2 --learners 1
+	$(VENV)/bin/python launch/cluster.py --generators 2 --learners 1 run.overwrite=true
 
 test: $(STAMP)
+	$(VENV)/bin/ruff check .
 	$(VENV)/bin/python -m pytest -q tests
+
+# the unit tier alone (no server, no process group, no engine): a minute or two
+test-fast: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/python -m pytest -q -m unit tests
+
+# GPU machines: a venv of its own with the pinned gpu extra, then the tests marked gpu (1 GPU: the smoke test;
+# 2 GPUs: all four). Skipped with their reason where CUDA shows fewer devices.
+GPU_VENV := .venv-gpu
+test-gpu:
+	[ -x $(GPU_VENV)/bin/python ] || $(PY) -m venv $(GPU_VENV)
+	[ -f $(GPU_VENV)/.installed ] || ($(GPU_VENV)/bin/python -m pip install --quiet -e ".[gpu,dev]" && touch $(GPU_VENV)/.installed)
+	$(GPU_VENV)/bin/python -m pytest -q -rs -m gpu tests/gpu
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -4,16 +4,20 @@
     (2) RM         preference pairs built from the task (python -m async_rlhf.offline.make_data), then a
                    Bradley-Terry reward model on the SFT policy's body (python -m async_rlhf.offline.reward_model);
                    its accuracy on held-out pairs is reported
-    (3) PPO        train.algorithm=ppo: critic beside the actor, the RM's score as the reward, KL to the reference
+    (3) PPO        train.algorithm=ppo: critic beside the actor, the RM's score as the reward, KL to the reference;
+                   its held-out figures on both rewards: accuracy (the task's verifiable rule) and the RM's mean
+                   score of the same greedy completions, and the training-time task reward beside the RM score
+    (3b) ppo_mix   the same PPO with the task reward mixed in (train.ppo.generator_reward_weight=--task-weight)
     (4) GRPO       train.algorithm=grpo with the task's verifiable reward
     (5) online DPO train.algorithm=online_dpo: best against worst sample of each group, by the task's reward
 
-Every RL run goes through async_rlhf.runner (Ray, vLLM generators, DeepSpeed learner, ZeroMQ buffer, weight
+Every RL run goes through async_rlhf.driver.runner (Ray, vLLM generators, DeepSpeed learner, ZeroMQ buffer, weight
 push) with the same seeds, batch and staleness. Writes, beside ``--out``: ``accuracy.png`` (held-out greedy
 accuracy against samples trained, the three algorithms in one plot), ``table.md``, the run directories, and
 ``--out`` itself: JSON ``{"runs": [{"algorithm", "accuracy_start", "accuracy_end", "wall_time_s", ...}, ...]}``.
 
-    python bench/algorithms.py [--quick] [--steps N] [--out runs/algorithms/results.json] [key=value ...]
+    python bench/algorithms.py [--quick] [--steps N] [--algorithms ppo,ppo_mix,grpo,online_dpo]
+                               [--task-weight W] [--out runs/algorithms/results.json] [key=value ...]
 """
 
 from __future__ import annotations
@@ -29,7 +33,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-ALGORITHMS = ("ppo", "grpo", "online_dpo")
+ALGORITHMS = ("ppo", "ppo_mix", "grpo", "online_dpo")
+DEFAULT_ALGORITHMS = ("ppo", "grpo", "online_dpo")
 
 
 def train_reward_model(policy: str, out_dir: Path, steps: int, digits: int) -> tuple[str, float]:
@@ -57,28 +62,56 @@ def train_reward_model(policy: str, out_dir: Path, steps: int, digits: int) -> t
     return str(rm_dir), float((chosen > rejected).float().mean())
 
 
-def algorithm_overrides(algorithm: str, rm_dir: str) -> list[str]:
+def algorithm_overrides(algorithm: str, rm_dir: str, task_weight: float = 0.0) -> list[str]:
     if algorithm == "ppo":
         return ["train.algorithm=ppo", f"train.ppo.reward_models={rm_dir}"]
+    if algorithm == "ppo_mix":  # the same reward model, plus the task's verifiable reward (the generator's)
+        return ["train.algorithm=ppo", f"train.ppo.reward_models={rm_dir}",
+                f"train.ppo.generator_reward_weight={task_weight:g}"]
     return [f"train.algorithm={algorithm}"]
 
 
+def heldout_rm_score(model_dir: str, rm_dir: str, cfg: Any) -> float:
+    """Mean reward-model score of the policy's greedy completions of the held-out prompts (the prompts
+    ``heldout_accuracy`` scores with the task's rule): what the RM thinks of the same answers."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from async_rlhf.env.registry import make_task
+    from async_rlhf.rewards.model import RewardModelScorer
+    from async_rlhf.tiny.sft import generate_batch
+    from async_rlhf.tiny.tokenizer import load_tokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tok = load_tokenizer(model_dir)
+    problems = make_task(cfg.task).heldout()
+    outs = generate_batch(model, [tok.encode(p.prompt, add_special_tokens=False) for p in problems],
+                          cfg.generator.max_new_tokens, tok.pad_token_id, tok.eos_token_id)
+    texts = [p.prompt + tok.decode(o, skip_special_tokens=True) for p, o in zip(problems, outs)]
+    scores = RewardModelScorer(rm_dir).score(texts)
+    return sum(scores) / max(1, len(scores))
+
+
+def _mean(records: list[dict[str, Any]], key: str) -> float:
+    return sum(float(r.get(key, 0.0)) for r in records) / max(1, len(records))
+
+
 def one_run(algorithm: str, steps: int, model_path: str, rm_dir: str, out_dir: Path, accuracy_start: float,
-            extra: list[str]) -> dict[str, Any]:
-    import ray
+            extra: list[str], task_weight: float = 0.0, rm_start: float | None = None) -> dict[str, Any]:
 
     from async_rlhf.config import load_config
-    from async_rlhf.runner import Cluster, heldout_accuracy, train
+    from async_rlhf.driver.cluster import Cluster, heldout_accuracy
+    from async_rlhf.driver.runner import train
 
     run_dir = out_dir / algorithm
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg = load_config(None, [f"train.steps={steps}", f"model.path={model_path}", f"run.dir={run_dir}",
-                             "run.log_every_s=30", *algorithm_overrides(algorithm, rm_dir), *extra])
+                             "run.log_every_s=30", *algorithm_overrides(algorithm, rm_dir, task_weight), *extra])
     t0 = time.time()
     cluster = Cluster(cfg, model_path)
     try:
         figures = train(cfg, cluster, run_dir)
-        policy = ray.get(cluster.learners[0].save_hf.remote(str(run_dir / "policy")))
+        policy = cluster.save_policy(run_dir / "policy")
     finally:
         cluster.close()
     records = figures["records"]
@@ -98,10 +131,19 @@ def one_run(algorithm: str, steps: int, model_path: str, rm_dir: str, out_dir: P
         "mean_staleness": sum(r["staleness/mean"] for r in records) / max(1, len(records)),
         "curve": [{"samples": 0, "version": 0, "accuracy": accuracy_start}] + [c for c in curve if c["version"] > 0],
     }
-    if algorithm == "ppo":
-        summary["rm_score_last10"] = sum(r["ppo/score_raw_mean"] for r in tail) / max(1, len(tail))
-        summary["critic_explained_variance_last10"] = sum(r.get("critic/explained_variance", 0.0)
-                                                          for r in tail) / max(1, len(tail))
+    if algorithm.startswith("ppo"):  # both rewards, in training and on the held-out prompts
+        head = records[:10]
+        summary.update({
+            "task_weight": task_weight if algorithm == "ppo_mix" else 0.0,
+            "task_reward_first10": _mean(head, "rollout/task_reward_mean"),
+            "rm_score_first10": _mean(head, "rollout/rm_score_mean"),
+            "rm_score_last10": _mean(tail, "rollout/rm_score_mean"),
+            "rm_score_std_last10": _mean(tail, "ppo/rm_score_std"),
+            "rm_task_corr_last10": _mean(tail, "ppo/rm_task_corr"),
+            "critic_explained_variance_last10": _mean(tail, "critic/explained_variance"),
+            "heldout_rm_score_start": rm_start,
+            "heldout_rm_score_end": heldout_rm_score(policy, rm_dir, cfg),
+        })
     if algorithm == "online_dpo":
         summary["dpo_margin_last10"] = sum(r.get("dpo/reward_margin", 0.0) for r in tail) / max(1, len(tail))
     return summary
@@ -120,6 +162,17 @@ def write_report(runs: list[dict[str, Any]], rm_accuracy: float, out_dir: Path) 
         lines.append(f"| {r['algorithm']} | {r['accuracy_start']:.3f} | {r['accuracy_end']:.3f} | "
                      f"{r['task_reward_last10']:.3f} | {r['samples_trained']} | {r['mean_staleness']:.2f} | "
                      f"{r['wall_time_s']:.0f} |")
+    ppo = [r for r in runs if r["algorithm"].startswith("ppo")]
+    if ppo:  # what PPO optimised (the RM's score) beside what it was meant to (the task's reward)
+        lines += ["", "| PPO run | task weight | held-out acc start -> end | held-out RM score start -> end | "
+                  "train task reward first -> last 10 | train RM score first -> last 10 | corr(RM, task) last 10 |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]
+        for r in ppo:
+            lines.append(f"| {r['algorithm']} | {r['task_weight']:g} | {r['accuracy_start']:.3f} -> "
+                         f"{r['accuracy_end']:.3f} | {r['heldout_rm_score_start']:.3f} -> "
+                         f"{r['heldout_rm_score_end']:.3f} | {r['task_reward_first10']:.3f} -> "
+                         f"{r['task_reward_last10']:.3f} | {r['rm_score_first10']:.3f} -> {r['rm_score_last10']:.3f} | "
+                         f"{r['rm_task_corr_last10']:.2f} |")
     table = "\n".join(lines) + "\n"
     (out_dir / "table.md").write_text(table)
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -143,13 +196,17 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="fewer learner steps and reward-model steps")
     p.add_argument("--steps", type=int, help="learner steps per algorithm")
     p.add_argument("--rm-steps", type=int, help="reward-model optimizer steps")
-    p.add_argument("--algorithms", default=",".join(ALGORITHMS), help="comma-separated subset of ppo,grpo,online_dpo")
+    p.add_argument("--algorithms", default=",".join(DEFAULT_ALGORITHMS),
+                   help=f"comma-separated subset of {','.join(ALGORITHMS)}")
+    p.add_argument("--task-weight", type=float, default=1.0,
+                   help="ppo_mix: train.ppo.generator_reward_weight, the task reward's share beside the RM's score")
+    p.add_argument("--reward-model", help="a reward-model directory to use instead of training one")
     p.add_argument("--out", default="runs/algorithms/results.json")
     p.add_argument("overrides", nargs="*", help="config overrides applied to every run")
     args = p.parse_args()
 
     from async_rlhf.config import load_config
-    from async_rlhf.runner import heldout_accuracy, resolve_model
+    from async_rlhf.driver.cluster import heldout_accuracy, resolve_model
 
     algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()]
     unknown = sorted(set(algorithms) - set(ALGORITHMS))
@@ -168,15 +225,21 @@ def main() -> None:
     print(f"== SFT policy {policy}: held-out greedy accuracy {accuracy_start:.3f} ({time.time() - t0:.0f}s)",
           flush=True)
     rm_dir, rm_accuracy = "", float("nan")
-    if "ppo" in algorithms:
+    rm_start = None
+    if any(a.startswith("ppo") for a in algorithms):
         t1 = time.time()
-        rm_dir, rm_accuracy = train_reward_model(policy, out_dir, rm_steps, base_cfg.task.digits)  # (2)
-        print(f"== reward model {rm_dir}: held-out pair accuracy {rm_accuracy:.3f} ({time.time() - t1:.0f}s)",
-              flush=True)
+        if args.reward_model:
+            rm_dir = str(Path(args.reward_model).resolve())
+        else:
+            rm_dir, rm_accuracy = train_reward_model(policy, out_dir, rm_steps, base_cfg.task.digits)  # (2)
+        rm_start = heldout_rm_score(policy, rm_dir, base_cfg)
+        print(f"== reward model {rm_dir}: held-out pair accuracy {rm_accuracy:.3f}, mean score of the SFT policy's "
+              f"held-out answers {rm_start:.3f} ({time.time() - t1:.0f}s)", flush=True)
     runs: list[dict[str, Any]] = []
     for algorithm in algorithms:  # (3)-(5)
         print(f"== {algorithm} ({steps} steps)", flush=True)
-        runs.append(one_run(algorithm, steps, policy, rm_dir, out_dir, accuracy_start, extra))
+        runs.append(one_run(algorithm, steps, policy, rm_dir, out_dir, accuracy_start, extra, args.task_weight,
+                            rm_start))
         r = runs[-1]
         print(f"   held-out accuracy {r['accuracy_start']:.3f} -> {r['accuracy_end']:.3f} in {r['wall_time_s']:.0f}s",
               flush=True)

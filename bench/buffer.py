@@ -431,6 +431,7 @@ def main() -> int:
         finally:
             server.stop()
     if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps({"rows": rows, "client": CLIENT_NOTE}, indent=2))
     return 0
 

@@ -48,9 +48,10 @@ def start_cluster(cluster_cls: Any, cfg: Any, model_path: str, attempts: int = 3
 def one_run(delay_s: float, jitter_s: float, steps: int, model_path: str, out_dir: Path, max_staleness: int,
             extra: list[str]) -> dict[str, Any]:
     from async_rlhf.config import load_config
+    from async_rlhf.driver.cluster import Cluster
+    from async_rlhf.driver.runner import train
     from async_rlhf.plots import role_busy_fraction
     from async_rlhf.rewards.scorer_server import ScorerServer
-    from async_rlhf.runner import Cluster, train
 
     scorer = ScorerServer(delay_s=delay_s, jitter_s=jitter_s)
     run_dir = out_dir / f"delay_{delay_s:g}"
@@ -105,7 +106,7 @@ def main() -> None:
     import ray
 
     from async_rlhf.config import load_config
-    from async_rlhf.runner import resolve_model
+    from async_rlhf.driver.cluster import resolve_model
 
     steps = args.steps or (40 if args.quick else 150)
     base = load_config(None, args.overrides)

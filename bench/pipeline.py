@@ -24,6 +24,7 @@ rewarding/putting. Held-out greedy accuracy every ``generator.eval_every`` versi
 samples trained for async and sync (the same for both, one version per step).
 
     python bench/pipeline.py [--quick] [--out runs/pipeline/results.json] [--variants tiny,longtail] [key=value ...]
+    python bench/pipeline.py --standalone-only --variants longtail learner.pack=true   # capacities only
 
 Writes ``--out`` (JSON: efficiency_tiny, efficiency_longtail, generator_busy_fraction,
 async_over_sync_longtail, the standalone capacities, per-variant details), ``table.md``,
@@ -103,7 +104,7 @@ def standalone(overrides: list[str], model_path: str, run_dir: Path, window_s: f
 
     from async_rlhf.buffer.build import make_client
     from async_rlhf.config import load_config
-    from async_rlhf.runner import Cluster
+    from async_rlhf.driver.cluster import Cluster
 
     cfg = load_config(None, [*overrides, f"train.max_staleness={HUGE_STALENESS}", f"model.path={model_path}",
                              f"run.dir={run_dir}", "buffer.capacity=8192", f"train.steps={learner_steps}"])
@@ -149,18 +150,20 @@ def standalone(overrides: list[str], model_path: str, run_dir: Path, window_s: f
         client.close()
         cluster.close()
     learner_rate = steady_rate(records)[0]
+    fb = sorted(r.get("time/forward_backward_s", 0.0) for r in records[max(2, len(records) // 5):])
     return {"generator_samples_per_s": (s1 - s0) / (t1 - t0), "learner_samples_per_s": learner_rate,
+            "learner_forward_backward_s_median": fb[len(fb) // 2] if fb else 0.0,
             "load_average_after": os.getloadavg()[0],
             "learner_steps": len(records), "drained_groups": counts["groups"],
             "cpu_plan": cluster.cpu_plan.to_dict(), "affinity": affinity}
 
 
 def pipeline(overrides: list[str], model_path: str, run_dir: Path, steps: int, staleness: int) -> dict[str, Any]:
-    import ray
 
     from async_rlhf.config import load_config
+    from async_rlhf.driver.cluster import Cluster, heldout_accuracy
+    from async_rlhf.driver.runner import train, write_timeline
     from async_rlhf.plots import BUSY
-    from async_rlhf.runner import Cluster, heldout_accuracy, train, write_timeline
     from async_rlhf.timeline import busy_fraction_between
 
     cfg = load_config(None, [*overrides, f"train.max_staleness={staleness}", f"train.steps={steps}",
@@ -170,7 +173,7 @@ def pipeline(overrides: list[str], model_path: str, run_dir: Path, steps: int, s
     (run_dir / "cpu_plan.json").write_text(json.dumps(cluster.cpu_plan.to_dict(), indent=2))
     try:
         figures = train(cfg, cluster, run_dir)
-        policy = ray.get(cluster.learners[0].save_hf.remote(str((run_dir / "policy").resolve())))
+        policy = cluster.save_policy(run_dir / "policy")
     finally:
         cluster.close()
     busy = write_timeline(figures, run_dir)
@@ -194,7 +197,7 @@ def pipeline(overrides: list[str], model_path: str, run_dir: Path, steps: int, s
 
 def run_variant(name: str, args: argparse.Namespace, out_dir: Path, common: list[str]) -> dict[str, Any]:
     from async_rlhf.config import load_config
-    from async_rlhf.runner import heldout_accuracy, resolve_model
+    from async_rlhf.driver.cluster import heldout_accuracy, resolve_model
 
     base = [*PIPELINE, *VARIANTS[name], *common]
     cfg = load_config(None, base)
@@ -206,6 +209,8 @@ def run_variant(name: str, args: argparse.Namespace, out_dir: Path, common: list
                        12 if args.quick else 30)
     print(f"   standalone: generators {alone['generator_samples_per_s']:.1f} samples/s, learner "
           f"{alone['learner_samples_per_s']:.1f} samples/s", flush=True)
+    if args.standalone_only:
+        return {"start_accuracy": start_acc, "standalone": alone}
     asyn = pipeline(base, model_path, out_dir / f"{name}_async", steps, cfg.train.max_staleness)
     print(f"   async: {asyn['samples_per_s']:.1f} samples/s, generator busy {asyn['generator_busy_fraction']:.2f}, "
           f"final accuracy {asyn['final_accuracy']:.3f}", flush=True)
@@ -269,6 +274,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, help="learner steps of the async and sync runs")
     p.add_argument("--variants", default="tiny,longtail", help="comma-separated subset of tiny,longtail")
     p.add_argument("--out", default="runs/pipeline/results.json")
+    p.add_argument("--standalone-only", action="store_true",
+                   help="measure only the standalone capacities (generators alone, learner alone), e.g. to compare "
+                        "learner.pack=false with learner.pack=true learner.max_tokens_per_micro_batch=1024")
     p.add_argument("overrides", nargs="*", help="config overrides applied to every run")
     args = p.parse_args()
     names = [v.strip() for v in args.variants.split(",") if v.strip()]
@@ -289,6 +297,13 @@ def main() -> None:
         if ray.is_initialized():
             ray.shutdown()
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    if args.standalone_only:  # the capacities only (e.g. learner.pack=false against true: bench/README in docs)
+        summary = {"load_average": load, "overrides": args.overrides, "variants": results, **{
+            f"standalone_{role}_samples_per_s_{n}": r["standalone"][f"{role}_samples_per_s"]
+            for n, r in results.items() for role in ("generator", "learner")}}
+        out.write_text(json.dumps(summary, indent=2))
+        print(json.dumps({k: v for k, v in summary.items() if k != "variants"}, indent=2))
+        return
     summary = summarize(results, load)
     out.write_text(json.dumps(summary, indent=2))
     text = table(results, load)

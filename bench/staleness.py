@@ -28,10 +28,10 @@ CORRECTIONS = {"none": "ppo", "truncated_is": "tis_token", "decoupled_ppo": "dec
 
 def one_run(staleness: int, correction: str, steps: int, model_path: str, out_dir: Path,
             extra: list[str]) -> dict[str, Any]:
-    import ray
 
     from async_rlhf.config import load_config
-    from async_rlhf.runner import Cluster, heldout_accuracy, train
+    from async_rlhf.driver.cluster import Cluster, heldout_accuracy
+    from async_rlhf.driver.runner import train
 
     run_dir = out_dir / f"s{staleness}_{correction}"
     cfg = load_config(None, [f"train.max_staleness={staleness}", f"train.objective.kind={CORRECTIONS[correction]}",
@@ -41,7 +41,7 @@ def one_run(staleness: int, correction: str, steps: int, model_path: str, out_di
     cluster = Cluster(cfg, model_path)
     try:
         figures = train(cfg, cluster, run_dir)
-        policy = ray.get(cluster.learners[0].save_hf.remote(str(run_dir / "policy")))
+        policy = cluster.save_policy(run_dir / "policy")
     finally:
         cluster.close()
     records = figures["records"]
@@ -100,18 +100,25 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="staleness {0, 4} x {none, decoupled_ppo}, fewer steps")
     p.add_argument("--steps", type=int, help="learner steps per run")
+    p.add_argument("--staleness", help="comma-separated max_staleness values (default: the grid of the mode)")
+    p.add_argument("--corrections", help=f"comma-separated subset of {','.join(CORRECTIONS)}")
     p.add_argument("--out", default="runs/staleness/results.json")
     p.add_argument("overrides", nargs="*", help="config overrides applied to every run")
     args = p.parse_args()
 
     from async_rlhf.config import load_config
-    from async_rlhf.runner import heldout_accuracy, resolve_model
+    from async_rlhf.driver.cluster import heldout_accuracy, resolve_model
 
     out = Path(args.out)
     out_dir = out.parent
     out_dir.mkdir(parents=True, exist_ok=True)
-    grid_s = [0, 4] if args.quick else [0, 1, 2, 4, 8]
-    grid_c = ["none", "decoupled_ppo"] if args.quick else list(CORRECTIONS)
+    default_s = [0, 4] if args.quick else [0, 1, 2, 4, 8]
+    grid_s = [int(s) for s in args.staleness.split(",")] if args.staleness else default_s
+    grid_c = (args.corrections.split(",") if args.corrections
+              else ["none", "decoupled_ppo"] if args.quick else list(CORRECTIONS))
+    unknown = sorted(set(grid_c) - set(CORRECTIONS))
+    if unknown:
+        p.error(f"unknown correction(s) {unknown}; choose from {', '.join(CORRECTIONS)}")
     steps = args.steps or (60 if args.quick else 200)
     base_cfg = load_config(None, args.overrides)
     model_path = resolve_model(base_cfg, ROOT / "runs" / "cache")

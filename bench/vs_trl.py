@@ -56,7 +56,7 @@ def task_config(task: str) -> Any:
 
 
 def start_policy(cfg: Any) -> str:
-    from async_rlhf.runner import resolve_model
+    from async_rlhf.driver.cluster import resolve_model
 
     return resolve_model(cfg, ROOT / "runs" / "cache")
 
@@ -73,7 +73,7 @@ def run_trl(cfg: Any, model_dir: str, budget_s: float, eval_every_s: float, work
     from async_rlhf.env.arithmetic import score_completion
     from async_rlhf.env.registry import make_task
     from async_rlhf.tiny.sft import greedy_accuracy
-    from async_rlhf.tiny.tokenizer import load_tokenizer
+    from async_rlhf.tokenizer import load_tokenizer
 
     torch.set_num_threads(2)
     torch.manual_seed(cfg.train.seed)
@@ -144,7 +144,7 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 def run_ours(cfg_args: list[str], group_size: int, model_dir: str, budget_s: float, eval_every: int,
              work: Path) -> dict[str, Any]:
-    from async_rlhf.control import send_control
+    from async_rlhf.driver.fleet import send_control
 
     run_dir = work / "ours"
     args = [sys.executable, str(ROOT / "launch" / "cluster.py"), "--generators", "2", "--learners", "1",

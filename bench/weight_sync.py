@@ -411,6 +411,7 @@ def main(argv: list[str] | None = None) -> int:
     for line in check_targets(rows):
         print(line)
     if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"rows": rows}, indent=1))
     return 0
 

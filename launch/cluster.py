@@ -4,11 +4,17 @@
                              [--address ray://host:10001] [--resume RUN_DIR|CHECKPOINT] [--dry-run]
                              [key=value ...]
     python launch/cluster.py scale --run-dir runs/demo --generators 4     (a running job's fleet)
+    python launch/cluster.py stop --run-dir runs/demo      (end a running job early: checkpoint + summary)
+
+Ctrl-C (SIGINT) or SIGTERM does what ``stop`` does: the learners finish their step, a final checkpoint and
+summary.json (with the steps actually done) are written; a second signal aborts at once. A run directory
+that already holds a run is refused unless ``--resume`` continues it or ``run.overwrite=true`` replaces it.
 
 Everything is validated before anything starts: a bad flag, config key, file, model path, checkpoint,
 unreachable --address or a plan larger than the cluster is refused with one line naming the problem and
 the fix. ``--dry-run`` validates and prints the placement plan (resources per role, totals) without Ray.
 Under ``ray job submit``, leave out --address: the job joins its cluster (RAY_ADDRESS) itself.
+``--dry-run --address A`` also prints where each role's bundles would go, node by node.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import traceback
 from pathlib import Path
@@ -25,7 +32,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--generators", type=int, help="generator actors (vLLM engines); default from config")
     p.add_argument("--learners", type=int, help="learner ranks (DeepSpeed engines); default from config")
-    p.add_argument("--config", help="YAML file of config sections (see async_rlhf/config.py)")
+    p.add_argument("--config", help="YAML file of config sections (see async_rlhf/config/sections.py and roles.py)")
     p.add_argument("--model", help="Hugging Face causal-LM directory; default: the tiny model + SFT warm start")
     p.add_argument("--address", help="Ray cluster to join (default: start Ray on this machine)")
     p.add_argument("--run-dir", help="run directory (default runs/demo)")
@@ -33,13 +40,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dry-run", action="store_true",
                    help="validate the config and print the placement plan; start nothing")
     p.add_argument("overrides", nargs="*", help="config overrides such as train.steps=100")
-    return p.parse_args(argv)
+    return p.parse_intermixed_args(argv)  # overrides may come before, between and after the flags
 
 
 def parse_scale_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="cluster.py scale", description="resize the generator fleet of a running job")
     p.add_argument("--run-dir", required=True, help="run directory of the running job (holds control.json)")
     p.add_argument("--generators", type=int, required=True, help="generators wanted")
+    return p.parse_args(argv)
+
+
+def parse_stop_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="cluster.py stop",
+                                description="end a running job early, with a final checkpoint and summary")
+    p.add_argument("--run-dir", required=True, help="run directory of the running job (holds control.json)")
     return p.parse_args(argv)
 
 
@@ -70,7 +84,6 @@ def _config_error(msg: str) -> Exception:
 def local_resources(cfg) -> dict[str, float]:
     """What a Ray started on this machine offers: GPUs found by nvidia-smi; CPUs only when run.num_cpus
     caps them (otherwise roles share the cores and the plan's CPUs are a reservation, not a limit)."""
-    import os
     import shutil
     import subprocess
 
@@ -96,7 +109,7 @@ def build_config(args: argparse.Namespace):
         overrides.append(f"run.dir={args.run_dir}")
     base = args.config
     if args.resume:
-        from async_rlhf.checkpoint import read_manifest, resolve_resume, run_dir_of
+        from async_rlhf.driver.checkpoints import read_manifest, resolve_resume, run_dir_of
 
         args.checkpoint = resolve_resume(args.resume)
         run_dir = run_dir_of(args.checkpoint)
@@ -105,6 +118,9 @@ def build_config(args: argparse.Namespace):
         if not args.run_dir:
             overrides.append(f"run.dir={run_dir}")
     cfg = load_config(base, overrides)
+    from async_rlhf.driver.checkpoints import check_run_dir
+
+    check_run_dir(cfg.run.dir, bool(args.resume), cfg.run.overwrite)
     if args.resume:
         step = read_manifest(args.checkpoint)["step"]
         if cfg.train.steps <= step:
@@ -112,6 +128,12 @@ def build_config(args: argparse.Namespace):
                                 f"{cfg.train.steps}; raise train.steps to continue")
     if cfg.model.path:
         check_model_dir(cfg.model.path)
+    from async_rlhf.prompts.chat import ChatPromptError, check_chat_setup
+
+    try:  # chat messages the model's tokenizer cannot render are refused before anything starts
+        check_chat_setup(cfg, cfg.model.path or None)
+    except ChatPromptError as exc:
+        raise _config_error(str(exc)) from None
     return cfg
 
 
@@ -122,16 +144,19 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["scale"]:
         return scale(parse_scale_args(argv[1:]))
+    if argv[:1] == ["stop"]:
+        return stop(parse_stop_args(argv[1:]))
     args = parse_args(argv)
     args.checkpoint = None
     try:
         cfg = build_config(args)
-        from async_rlhf.placement import check_fits, format_plan, plan_placement
+        from async_rlhf.driver.placement import check_fits, format_plan, plan_placement
 
         plan = plan_placement(cfg)
+        args.address = args.address or os.environ.get("RAY_ADDRESS") or None  # `ray job submit` sets it
         if args.address:
             check_address(args.address)
-        if args.dry_run:
+        if args.dry_run and not args.address:
             here = local_resources(cfg)
             print(format_plan(plan, {"CPU": here["_cores"], "GPU": here["GPU"]}))
             print("plan (JSON): " + json.dumps(plan.to_dict()))
@@ -141,25 +166,35 @@ def main(argv: list[str] | None = None) -> int:
         else:
             import ray
 
-            ray.init(address=args.address, include_dashboard=False, log_to_driver=True)
+            ray.init(address=args.address)  # joining: nothing but the address (Ray refuses resource arguments)
             check_fits(plan, ray.cluster_resources(), f"the Ray cluster at {args.address}")
+            if args.dry_run:
+                from async_rlhf.driver.placement import assign_to_nodes, format_nodes
+
+                nodes = {n["NodeManagerAddress"]: {k: float(v) for k, v in n["Resources"].items()}
+                         for n in ray.nodes() if n.get("Alive")}
+                print(format_plan(plan, ray.cluster_resources()))
+                print(format_nodes(assign_to_nodes(plan, nodes)))
+                print("plan (JSON): " + json.dumps(plan.to_dict()))
+                return 0
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from async_rlhf.runner import run
+    from async_rlhf.driver.runner import run
 
     try:
-        run(cfg, address=args.address, resume=args.checkpoint)
+        run(cfg, address=args.address, resume=args.checkpoint, stop=stop_on_signals())
     except Exception as exc:  # a role failed mid-run: the job has stopped its actors; say how to go on
-        from async_rlhf.checkpoint import list_checkpoints
-        from async_rlhf.control import RunFailure
-        from async_rlhf.runner import LearnerFailure
+        from async_rlhf.driver.checkpoints import list_checkpoints
+        from async_rlhf.driver.cluster import NodeSetupError
+        from async_rlhf.driver.fleet import RunFailure
+        from async_rlhf.driver.runner import LearnerFailure
 
         trace = Path(cfg.run.dir) / "error.log"  # the whole traceback, for whoever debugs it
         trace.parent.mkdir(parents=True, exist_ok=True)
         trace.write_text(traceback.format_exc())
-        if not isinstance(exc, (LearnerFailure, RunFailure)):  # these are explained by the line below
+        if not isinstance(exc, (LearnerFailure, NodeSetupError, RunFailure)):  # these are explained by the line below
             logging.getLogger("launch").exception("the run failed")
         done = list_checkpoints(cfg.run.dir)
         hint = f"resume with --resume {done[-1]}" if done else "no checkpoint was written (run.checkpoint_every)"
@@ -169,20 +204,48 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def scale(args: argparse.Namespace) -> int:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from async_rlhf.control import send_control
+def stop_on_signals():
+    """An event the first SIGINT or SIGTERM sets: the run then stops after the learners' current step, with a
+    checkpoint and summary (``async_rlhf.driver.stopping.catch_stop_signals``); a second signal aborts at once."""
+    import threading
 
+    from async_rlhf.driver.stopping import catch_stop_signals
+
+    event = threading.Event()
+    catch_stop_signals(event)
+    return event
+
+
+def _control(run_dir: str, msg: dict) -> dict | None:
+    """Send ``msg`` to the running job's control endpoint; None after printing one ``error:`` line."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from async_rlhf.driver.fleet import send_control
+
+    try:
+        reply = send_control(run_dir, msg)
+    except RuntimeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return None
+    if not reply.get("ok"):
+        print(f"error: {reply.get('error')}", file=sys.stderr)
+        return None
+    return reply
+
+
+def stop(args: argparse.Namespace) -> int:
+    reply = _control(args.run_dir, {"op": "stop"})
+    if reply is None:
+        return 2
+    print(f"{args.run_dir}: stopping ({reply['applied_at']})")
+    return 0
+
+
+def scale(args: argparse.Namespace) -> int:
     if args.generators < 1:
         print(f"error: --generators must be at least 1, got {args.generators}", file=sys.stderr)
         return 2
-    try:
-        reply = send_control(args.run_dir, {"op": "scale", "generators": args.generators})
-    except RuntimeError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    if not reply.get("ok"):
-        print(f"error: {reply.get('error')}", file=sys.stderr)
+    reply = _control(args.run_dir, {"op": "scale", "generators": args.generators})
+    if reply is None:
         return 2
     print(f"fleet of {args.run_dir}: scaling to {args.generators} generator(s) ({reply['applied_at']})")
     return 0

@@ -5,9 +5,13 @@ PY=${1:-python3}
 VENV=${2:-.venv}
 
 # The Redis store's tests start their own redis-server (Debian package); the embedded default needs none.
-if ! command -v redis-server >/dev/null 2>&1; then
+# tests/cluster build network namespaces with iproute2's `ip`.
+missing=()
+command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
+command -v ip >/dev/null 2>&1 || missing+=(iproute2)
+if [ ${#missing[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive apt-get update -qq >/dev/null
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server >/dev/null
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
 
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"

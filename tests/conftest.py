@@ -21,6 +21,63 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0)
 
 
+@pytest.fixture(scope="session")
+def llama_bpe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The ~1 M-parameter Llama with a byte-level BPE tokenizer, chat template and generation config
+    (async_rlhf/tiny/llama_bpe.py), random weights."""
+    import torch
+
+    from async_rlhf.tiny.llama_bpe import prepare_llama_bpe
+
+    torch.set_num_threads(1)
+    return prepare_llama_bpe(tmp_path_factory.mktemp("cache"))
+
+
+@pytest.fixture(scope="session")
+def ragged_batch():
+    """``make(vocab, seed=0)``: a collated batch of 3 prompt groups x 3 completions of 1-9 tokens (prompts of
+    2-5), the longer completions with an observation span (loss mask 0) inside, random behaviour log-probs."""
+    import numpy as np
+
+    from async_rlhf.learner.batch import collate
+    from async_rlhf.types import Group, Sample
+
+    def make(vocab: int, seed: int = 0):
+        rng = np.random.default_rng(seed)
+        groups = []
+        for gi, (prompt_len, comp_lens) in enumerate([(3, [1, 6, 2]), (5, [4, 9, 3]), (2, [7, 1, 5])]):
+            samples = []
+            for j, n in enumerate(comp_lens):
+                mask = np.ones(n, np.uint8)
+                if n >= 6:
+                    mask[2:4] = 0
+                samples.append(Sample(rng.integers(4, vocab, n).astype(np.int32),
+                                      -rng.random(n).astype(np.float32), np.zeros(n, np.int32), float(j == gi),
+                                      loss_mask=mask))
+            groups.append(Group(f"g{gi}", rng.integers(4, vocab, prompt_len).astype(np.int32), samples))
+        return collate(groups, pad_id=0, advantage="grpo")
+
+    return make
+
+
+@pytest.fixture(scope="module")
+def module_process_group():
+    """For a module that makes a default process group in the test process (DeepSpeed needs one): the group, and
+    DeepSpeed's references to it, go away with the module, and so do the RANK, MASTER_PORT... variables it sets
+    (a later module's DeepSpeed would otherwise find a destroyed group, and a process the suite starts later
+    would inherit the port)."""
+    saved = dict(os.environ)
+    yield
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        import deepspeed.comm
+
+        deepspeed.comm.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 def stop_process(proc, grace_s: float = 5.0) -> None:
     """Join a child process; terminate, then kill it if it outlives ``grace_s`` at each stage."""
     proc.join(timeout=grace_s)
@@ -29,3 +86,15 @@ def stop_process(proc, grace_s: float = 5.0) -> None:
             return
         end()
         proc.join(timeout=grace_s)
+
+
+TIERS = ("unit", "distributed", "integration", "cluster", "gpu")
+"""A test's tier is its folder under tests/ (``make test-fast`` runs ``-m unit``)."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    root = Path(__file__).parent
+    for item in items:
+        parts = Path(str(item.fspath)).relative_to(root).parts
+        if len(parts) > 1 and parts[0] in TIERS:
+            item.add_marker(getattr(pytest.mark, parts[0]))

@@ -2,6 +2,13 @@
 
 Each client is a named consumer (``consumer``, by default unique to this process and socket): the service
 records which consumer holds which delivered groups, so a dead learner's groups can be given to others.
+
+The service may die and come back on the same address (a restarted buffer actor on the Redis store):
+a dropped connection fails the request waiting on it at once (a socket monitor sees the disconnect),
+requests are only queued on a live connection (``IMMEDIATE``), and callers retry with :func:`with_retry`
+until a deadline. A get whose reply was lost is followed by a get naming the groups this client holds
+(``holding``), so the service takes back the lost ones instead of leaving them delivered to no one.
+Once the process is stopping (:func:`stop_retries`), every wait and retry ends within a short grace.
 """
 
 from __future__ import annotations
@@ -18,9 +25,11 @@ from typing import Any, TypeVar
 
 import msgpack
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from async_rlhf.buffer.curve import CurveClientKeys, secure_client
 from async_rlhf.buffer.frames import as_frames, frames_as_buffers, unpack_sizes
+from async_rlhf.retry import retry
 from async_rlhf.types import Group
 from async_rlhf.wire import decode, encode
 
@@ -40,6 +49,32 @@ class BufferRequestError(RuntimeError):
     """The service refused a request; the message carries its reason."""
 
 
+STOP_GRACE_S = 2.0
+_stop_deadline: float | None = None
+"""Monotonic time by which a stopping process's clients give up (None: not stopping)."""
+
+
+def stop_retries(grace_s: float = STOP_GRACE_S) -> None:
+    """This process is stopping: every request and retry of its clients gives up within ``grace_s`` from now
+    (a generator told to stop must not retry a dead buffer for the full ``buffer.redis_retry_s``)."""
+    global _stop_deadline
+    _stop_deadline = time.monotonic() + grace_s
+
+
+def _bounded(wait: float) -> float:
+    """``wait``, cut to what is left of the stop grace once the process is stopping."""
+    if _stop_deadline is None:
+        return wait
+    return max(0.05, min(wait, _stop_deadline - time.monotonic()))
+
+
+def _left_ms(deadline: float) -> int:
+    """Milliseconds to wait now: until ``deadline`` or the stop grace's end, in slices of at most 0.5 s (so a
+    stop that comes during a wait cuts it short)."""
+    end = deadline if _stop_deadline is None else min(deadline, _stop_deadline)
+    return min(500, int((end - time.monotonic()) * 1000))
+
+
 def default_consumer_name() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
@@ -54,15 +89,30 @@ class BufferClient:
         self._ids = itertools.count(1)
         self._unanswered_admit: str | None = None
         """Request id of an admit that got no reply; the next admit repeats it, so no slot is granted twice."""
+        self._holding: dict[str, None] = {}
+        """Ids this client received from gets and has not acknowledged yet (in order)."""
+        self._reply_lost = False
+        """A get failed without its reply: the next get names what it holds, the service takes back the rest."""
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.IMMEDIATE, 1)  # no request queued for a dead connection, replayed after it
         if curve is not None:
             secure_client(self._sock, curve)
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._sock.connect(address)
 
     def close(self) -> None:
+        self._sock.disable_monitor()
+        self._monitor.close(0)
         self._sock.close(0)
+
+    def _disconnected(self) -> bool:
+        """Whether the connection dropped since the last look (the events are consumed)."""
+        dropped = False
+        while self._monitor.poll(0):
+            dropped = recv_monitor_message(self._monitor)["event"] == zmq.EVENT_DISCONNECTED or dropped
+        return dropped
 
     def request(self, kind: str, timeout_s: float | None = None, parts: list[bytes] | None = None,
                 **fields: Any) -> dict[str, Any]:
@@ -77,26 +127,41 @@ class BufferClient:
                      **fields: Any) -> int:
         """The sending half of :meth:`request` (for pipelining: several sends, then their replies)."""
         req_id = next(self._ids)
-        wait = timeout_s if timeout_s is not None else self.timeout_s
-        # a DEALER with no live peer (e.g. a refused CURVE handshake) blocks in send: bound that wait too
-        self._sock.setsockopt(zmq.SNDTIMEO, max(1, int(wait * 1000)))
+        wait = _bounded(timeout_s if timeout_s is not None else self.timeout_s)
+        self._disconnected()  # a drop before this request is not this request's failure
         if parts:
             fields["parts"] = len(parts)
-        try:
-            header = encode(kind, req_id=req_id, **fields)
-            self._sock.send_multipart([header, *(parts or [])], copy=False)  # large frames: not copied
-        except zmq.Again:
-            raise BufferUnavailable(f"buffer service at {self.address} accepted no '{kind}' request within "
-                                    f"{wait:g} s (no connection; for CURVE check the keys)") from None
-        return req_id
+        frames = [encode(kind, req_id=req_id, **fields), *(parts or [])]
+        # a DEALER with no live peer (service down or restarting, a refused CURVE handshake) cannot send: wait
+        # for a connection, bounded too
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                self._sock.send_multipart(frames, zmq.NOBLOCK, copy=False)  # large frames: not copied
+                return req_id
+            except zmq.Again:
+                left = _left_ms(deadline)
+                if left <= 0:
+                    raise BufferUnavailable(f"buffer service at {self.address} accepted no '{kind}' request "
+                                            f"within {wait:g} s (no connection; for CURVE check the keys)") from None
+                self._sock.poll(left, zmq.POLLOUT)
 
     def wait_reply(self, kind: str, req_id: int, timeout_s: float | None = None) -> dict[str, Any]:
         """The reply to request ``req_id``; replies to older requests (timed out, or pipelined) are skipped."""
-        wait = timeout_s if timeout_s is not None else self.timeout_s
+        wait = _bounded(timeout_s if timeout_s is not None else self.timeout_s)
         deadline = time.monotonic() + wait
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
         while True:
-            left_ms = int((deadline - time.monotonic()) * 1000)
-            if left_ms <= 0 or not self._sock.poll(left_ms):
+            left_ms = _left_ms(deadline)
+            ready = dict(poller.poll(left_ms)) if left_ms > 0 else {}
+            if self._sock not in ready:
+                if left_ms > 0 and not (self._monitor in ready and self._disconnected()):
+                    continue  # another monitor event, or a slice of the wait passed
+                if self._monitor in ready:
+                    raise BufferUnavailable(f"the connection to the buffer service at {self.address} dropped "
+                                            f"while waiting for a '{kind}' reply (the service died or restarts)")
                 raise BufferUnavailable(
                     f"buffer service at {self.address} did not answer a '{kind}' request within "
                     f"{wait:g} s; check that it is running (buffer.request_timeout_s)"
@@ -229,26 +294,49 @@ class BufferClient:
         extra: dict[str, Any] = {} if at_least is None else {"at_least": at_least}
         if ack:
             extra["ack"] = list(ack)
-        r = self.request("get", timeout_s=wait_s + self.timeout_s, n=n, version=version, wait_s=wait_s,
-                         consumer=consumer or self.consumer, as_bytes=True, packed=True, **extra)
+        mine = consumer is None or consumer == self.consumer
+        if mine and self._reply_lost:
+            extra["holding"] = list(self._holding)
+        try:
+            r = self.request("get", timeout_s=wait_s + self.timeout_s, n=n, version=version, wait_s=wait_s,
+                             consumer=consumer or self.consumer, as_bytes=True, packed=True, **extra)
+        except BufferUnavailable:
+            self._reply_lost = self._reply_lost or mine
+            raise
+        if mine:
+            self._reply_lost = False
+            self._forget(ack or [])
         if "sizes" in r:  # small groups, back to back in one frame: views of it, no copy
-            return list(r["ids"]), unpack_sizes(r["parts"], r["sizes"])
-        return list(r.get("ids", [])), r["parts"] or list(r.get("groups", []))
+            ids, datas = list(r["ids"]), unpack_sizes(r["parts"], r["sizes"])
+        else:
+            ids, datas = list(r.get("ids", [])), r["parts"] or list(r.get("groups", []))
+        if mine:
+            self._holding.update(dict.fromkeys(map(str, ids)))
+        return ids, datas
+
+    def _forget(self, group_ids: list[str], consumer: str | None = None) -> None:
+        """Acknowledged ids are no longer held (acks for another consumer name change nothing here)."""
+        if consumer is None or consumer == self.consumer:
+            for gid in group_ids:
+                self._holding.pop(str(gid), None)
 
     def ack(self, group_ids: list[str], *, consumer: str | None = None) -> int:
-        return int(self.request("ack", group_ids=list(group_ids), consumer=consumer or self.consumer)["acked"])
+        acked = int(self.request("ack", group_ids=list(group_ids), consumer=consumer or self.consumer)["acked"])
+        self._forget(group_ids, consumer)
+        return acked
 
     def ack_consumed(self, group_ids: list[str]) -> list[str]:
         """:meth:`ack`, returning the ids of groups the buffer dropped as uninformative (zero_advantage) since
         the last ack of any consumer: used up without training (the learner reports them as skipped)."""
         r = self.request("ack", group_ids=list(group_ids), consumer=self.consumer)
+        self._forget(group_ids)
         return [str(g) for g in r.get("consumed", [])]
 
     def set_version(self, version: int) -> None:
         self.request("set_version", version=version)
 
-    def stats(self, ledger: bool = False) -> dict[str, Any]:
-        r = self.request("stats", ledger=ledger)
+    def stats(self, ledger: bool = False, timeout_s: float | None = None) -> dict[str, Any]:
+        r = self.request("stats", timeout_s=timeout_s, ledger=ledger)
         return {k: v for k, v in r.items() if k not in ("schema", "kind", "req_id", "parts")}
 
 
@@ -267,14 +355,13 @@ def with_retry(call: Callable[[], T], what: str, give_up_after_s: float) -> T:
     Every request a retry can repeat is idempotent on the service side (puts by group id, acks by id,
     versions by value), so a reply lost in a restart is harmless.
     """
-    deadline = time.monotonic() + give_up_after_s
-    delay = 0.1
-    while True:
-        try:
-            return call()
-        except BufferUnavailable as exc:
-            if time.monotonic() >= deadline:
-                raise BufferUnavailable(f"{what}: gave up after {give_up_after_s:g} s: {exc}") from exc
-            log.warning("%s: %s; retrying in %.1f s", what, exc, delay)
-            time.sleep(delay)
-            delay = min(delay * 2, 5.0)
+    def stopping() -> bool:
+        return _stop_deadline is not None and time.monotonic() >= _stop_deadline
+
+    try:  # up to 2 s apart: a restarted service is back within seconds, look again soon
+        return retry(call, (BufferUnavailable,), give_up_after_s, first_delay_s=0.1, max_delay_s=2.0,
+                     should_stop=stopping,
+                     on_retry=lambda exc, delay, _left: log.warning("%s: %s; retrying in %.1f s", what, exc, delay))
+    except BufferUnavailable as exc:
+        after = "as this process stops" if stopping() else f"after {give_up_after_s:g} s"
+        raise BufferUnavailable(f"{what}: gave up {after}: {exc}") from exc

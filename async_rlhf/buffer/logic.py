@@ -20,7 +20,7 @@ from async_rlhf.buffer.admission import AdmissionControl, is_stale, staleness
 from async_rlhf.buffer.envelope import Envelope, inspect_group
 from async_rlhf.buffer.metrics import LatencyWindow, RateMeter
 from async_rlhf.buffer.policy import check_policy, select, victim
-from async_rlhf.buffer.store import AWAITING, DELIVERED, DROPPED, HELD, TRAINED, MemoryStore, StoredGroup
+from async_rlhf.buffer.store import AWAITING, DELIVERED, DROPPED, HELD, TRAINED, Store, StoredGroup
 from async_rlhf.wire import WireError, unpack_array
 
 ADMISSION_KEYS = ("version", "accepted", "running")
@@ -44,7 +44,7 @@ def _newest_version(group: StoredGroup) -> int:
 class BufferLogic:
     """Everything the service decides; unit tests drive it directly."""
 
-    def __init__(self, store: MemoryStore, groups_per_version: int, max_staleness: int, *, capacity: int = 0,
+    def __init__(self, store: Store, groups_per_version: int, max_staleness: int, *, capacity: int = 0,
                  policy: str = "fifo", visibility_timeout_s: float = 600.0, reward_deadline_s: float = 60.0,
                  drop_zero_advantage: bool = False) -> None:
         """``drop_zero_advantage``: a complete group whose rewards are all equal is dropped as soon as it is
@@ -77,20 +77,6 @@ class BufferLogic:
         self.put_rate, self.get_rate = RateMeter(), RateMeter()
         self.latency: dict[str, LatencyWindow] = {}
         self.started = time.time()
-
-    # -- ledger views (kept for callers of the first version) --------------------------------
-    @property
-    def delivered(self) -> dict[str, int]:
-        """group id -> learner version it was delivered at."""
-        return {gid: d.version for gid, d in self.store.delivered().items()}
-
-    @property
-    def trained(self) -> set[str]:
-        return self.store.trained()
-
-    @property
-    def dropped(self) -> dict[str, str]:
-        return self.store.dropped()
 
     def _meta(self) -> dict[str, int]:
         a = self.admission
@@ -350,6 +336,14 @@ class BufferLogic:
         """Take back everything delivered to ``consumer`` (its learner died) so others get it."""
         mine = [gid for gid, d in self.store.delivered().items() if d.consumer == consumer]
         return self._redeliver(mine, "consumer_dead")
+
+    def reclaim(self, consumer: str, holding: list[str]) -> int:
+        """Take back what was delivered to ``consumer`` beyond the ids it says it ``holding`` (received, not yet
+        acknowledged): replies it never got, e.g. a ``get`` answered just before the service died, or the
+        late answer to a get it gave up on. Those groups are held again and delivered to the next get."""
+        keep = set(holding)
+        lost = [gid for gid, d in self.store.delivered().items() if d.consumer == consumer and gid not in keep]
+        return self._redeliver(lost, "reply_lost")
 
     def _redeliver(self, gids: list[str], why: str) -> int:
         if not gids:

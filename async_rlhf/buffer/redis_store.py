@@ -58,6 +58,7 @@ import redis
 
 from async_rlhf.buffer.redis_scripts import ADMIT, DELIVER, FINISH, META, PUT, REWARD
 from async_rlhf.buffer.store import Delivery, MemoryStore, StoredGroup
+from async_rlhf.retry import retry
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -107,19 +108,12 @@ class RedisStore(MemoryStore):
     # -- plumbing ---------------------------------------------------------------------------
     def _retry(self, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn``; while Redis is unreachable (down, restarting, loading its AOF) wait and run it again."""
-        deadline = time.monotonic() + self.retry_s
-        delay = 0.02
-        while True:
-            try:
-                return fn(*args)
-            except _RETRYABLE as exc:
-                if time.monotonic() >= deadline:
-                    raise
-                self.retries += 1
-                log.warning("buffer: Redis at %s unavailable (%s); retrying for up to %.0f s",
-                            self._safe_url(), exc, deadline - time.monotonic())
-                time.sleep(delay)
-                delay = min(delay * 2, 0.5)
+        def note(exc: BaseException, _delay: float, left: float) -> None:
+            self.retries += 1
+            log.warning("buffer: Redis at %s unavailable (%s); retrying for up to %.0f s", self._safe_url(), exc, left)
+
+        return retry(lambda: fn(*args), _RETRYABLE, self.retry_s, first_delay_s=0.02, max_delay_s=0.5,
+                     on_retry=note)
 
     def _safe_url(self) -> str:
         kw = self.r.connection_pool.connection_kwargs
@@ -300,13 +294,7 @@ class RedisStore(MemoryStore):
             self._retry(self._meta_script, [self.k_meta], _pairs(meta))
         super().save_meta(meta)
 
-    # -- legacy helpers would bypass the ledger in Redis: refuse them -------------------------
-    def take(self, n: int) -> list[StoredGroup]:
-        raise NotImplementedError("RedisStore records every transition; use deliver/drop")
-
-    def remove(self, group_ids: list[str]) -> None:
-        raise NotImplementedError("RedisStore records every transition; use drop")
-
+    # -- tools ------------------------------------------------------------------------------
     def wipe(self) -> None:
         """Delete every key of this prefix (tests and benchmarks)."""
         self.r.delete(self.k_stream, self.k_ids, self.k_deliv, self.k_trained, self.k_dropped, self.k_meta,

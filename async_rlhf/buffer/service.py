@@ -22,7 +22,9 @@ Every request carries ``req_id``; the reply echoes it. A put answers for each gr
 until enough fresh groups are held or its ``wait_s`` passes (then it answers with what it has, possibly
 nothing). ``get`` and ``ack`` name a ``consumer`` (the learner); a group delivered to a consumer that does
 not ack within ``visibility_timeout_s``, or whose consumer is declared dead (``release`` with a
-``consumer`` field), goes back to the held groups and is delivered again.
+``consumer`` field), goes back to the held groups and is delivered again. A client that lost the reply to a
+get (the service restarted, or it gave up waiting) sends its next get with ``holding``, the ids it received
+and has not acknowledged: every other group delivered to it is taken back (reclaim) before that get is served.
 
 A malformed, oversized or unknown message is answered with ``error`` where a reply address is known,
 counted by reason and logged; the loop never stops on bad input. The socket binds to loopback unless
@@ -205,6 +207,10 @@ class BufferService:
         if kind == "get":
             if msg.get("ack"):  # the previous batch's ack rides on the next get: one round trip per batch
                 logic.ack(list(msg["ack"]))
+            if "holding" in msg:  # the client lost a reply: what it does not hold goes back to the held groups
+                consumer = _consumer(msg)
+                self._pending = [p for p in self._pending if p.consumer != consumer]  # gets it gave up on
+                logic.reclaim(consumer, _ids(msg, "holding"))
             wait_s = float(msg.get("wait_s", 0.0))
             wait_s = min(wait_s, 60.0) if math.isfinite(wait_s) and wait_s > 0 else 0.0
             self._pending.append(PendingGet(identity, req_id, _count(msg, "n"), _count(msg, "version"),
@@ -299,6 +305,14 @@ def _request_id(msg: dict[str, Any]) -> str | None:
     if rid is not None and (not isinstance(rid, str) or not 0 < len(rid) <= MAX_CONSUMER_NAME):
         raise WireError("malformed", f"request_id must be a string of 1-{MAX_CONSUMER_NAME} characters")
     return rid
+
+
+def _ids(msg: dict[str, Any], key: str) -> list[str]:
+    """A list of group ids (strings)."""
+    value = msg[key]
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise WireError("malformed", f"field {key!r} must be a list of group ids (strings)")
+    return value
 
 
 def _count(msg: dict[str, Any], key: str) -> int:

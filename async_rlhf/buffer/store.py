@@ -28,7 +28,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import msgpack
 
@@ -64,6 +64,45 @@ class Delivery:
     version: int
     at: float = field(default_factory=time.time)
     """Wall-clock time of the delivery (the Redis store recovers it from the pending entry's idle time)."""
+
+
+@runtime_checkable
+class Store(Protocol):
+    """What :class:`~async_rlhf.buffer.logic.BufferLogic` needs from a store: the reads of its in-memory view
+    and one call per transition. :class:`MemoryStore` keeps only the view; the Redis store keeps the same view
+    as a mirror and writes every transition durably. :func:`async_rlhf.buffer.build.make_store` picks one."""
+
+    durable: bool
+    name: str
+
+    def state(self, group_id: str) -> str | None: ...
+    def peek_all(self) -> list[StoredGroup]: ...
+    def held(self) -> Iterable[StoredGroup]: ...
+    def held_ids(self) -> Iterable[str]: ...
+    def held_in_order(self) -> bool: ...
+    def held_floor(self) -> int | None: ...
+    def set_held_floor(self, floor: int | None) -> None: ...
+    def get_held(self, group_id: str) -> StoredGroup | None: ...
+    def awaiting(self) -> dict[str, StoredGroup]: ...
+    def delivered(self) -> dict[str, Delivery]: ...
+    def num_delivered(self) -> int: ...
+    def trained(self) -> set[str]: ...
+    def dropped(self) -> dict[str, str]: ...
+    def meta(self) -> dict[str, int]: ...
+    def __len__(self) -> int: ...
+    def put(self, group: StoredGroup, meta: Mapping[str, int] | None = None, *, awaiting: bool = False) -> bool: ...
+    def put_many(self, groups: list[StoredGroup], meta: Mapping[str, int] | None = None, *,
+                 awaiting: bool = False) -> list[bool]: ...
+    def reward(self, group_id: str, data: bytes, meta: Mapping[str, int] | None = None) -> bool: ...
+    def deliver(self, group_ids: list[str], consumer: str, version: int,
+                meta: Mapping[str, int] | None = None) -> list[StoredGroup]: ...
+    def ack(self, group_ids: list[str], meta: Mapping[str, int] | None = None) -> list[str]: ...
+    def drop(self, group_ids: list[str], reason: str, meta: Mapping[str, int] | None = None) -> list[str]: ...
+    def redeliver(self, group_ids: list[str], meta: Mapping[str, int] | None = None) -> list[str]: ...
+    def save_meta(self, meta: Mapping[str, int]) -> None: ...
+    def save_admit(self, request_id: str, granted: int, version: int, keep: int, meta: Mapping[str, int]) -> None: ...
+    def admits(self) -> dict[str, tuple[int, int]]: ...
+    def close(self) -> None: ...
 
 
 class MemoryStore:
@@ -282,32 +321,6 @@ class MemoryStore:
         if meta:
             self._meta.update(meta)
 
-    # -- legacy helpers (held only, no ledger: tests and tools) -----------------------------
-    def take(self, n: int) -> list[StoredGroup]:
-        """Remove and return up to ``n`` held groups, oldest first, without recording them anywhere."""
-        out = self.peek_all()[:n]
-        for g in out:
-            del self._held[g.group_id]
-        return out
-
-    def remove(self, group_ids: list[str]) -> None:
-        for gid in group_ids:
-            self._held.pop(gid, None)
-
     def close(self) -> None:
         pass
 
-
-Store = MemoryStore
-"""The interface: :class:`MemoryStore` defines it, the Redis store extends it (same reads, durable writes)."""
-
-
-def make_store(kind: str, url: str = "", prefix: str = "async_rlhf:buffer", retry_s: float = 30.0,
-               **_: Any) -> MemoryStore:
-    if kind == "memory":
-        return MemoryStore()
-    if kind == "redis":
-        from async_rlhf.buffer.redis_store import RedisStore
-
-        return RedisStore(url, prefix=prefix, retry_s=retry_s)
-    raise ValueError(f"buffer.store={kind!r} is not known; use buffer.store=memory or buffer.store=redis")

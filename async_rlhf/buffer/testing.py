@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -21,15 +20,11 @@ import numpy as np
 import redis
 
 from async_rlhf.buffer.client import BufferClient, BufferUnavailable
+from async_rlhf.endpoints import free_port  # noqa: F401  (bench and tests import it from here)
+from async_rlhf.retry import retry
 from async_rlhf.types import Group, Sample
 
 T = TypeVar("T")
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class RedisServer:
@@ -109,14 +104,8 @@ def make_group(gid: str, version: int = 0, payload_bytes: int = 64, samples: int
 
 def retrying(fn: Callable[[], T], stop: threading.Event | None = None, give_up_s: float = 60.0) -> T:
     """Call ``fn`` until the service answers (it may be restarting); requests here are idempotent."""
-    deadline = time.monotonic() + give_up_s
-    while True:
-        try:
-            return fn()
-        except BufferUnavailable:
-            if time.monotonic() > deadline or (stop is not None and stop.is_set()):
-                raise
-            time.sleep(0.05)
+    return retry(fn, (BufferUnavailable,), give_up_s, first_delay_s=0.05, max_delay_s=0.05,
+                 should_stop=None if stop is None else stop.is_set)
 
 
 class Producer(threading.Thread):

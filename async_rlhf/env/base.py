@@ -33,10 +33,14 @@ from async_rlhf.types import Sample
 
 @dataclass(frozen=True)
 class Prompt:
-    """One prompt: its text and task data (plain msgpack-able values, e.g. the answer), kept in group meta."""
+    """One prompt: its text and task data (plain msgpack-able values, e.g. the answer), kept in group meta.
+
+    A chat prompt also has ``messages`` (``[{"role": ..., "content": ...}]``); its ``text`` is empty until the
+    generator renders it through the tokenizer's chat template (``async_rlhf.prompts.chat``)."""
 
     text: str
     data: dict[str, Any] = field(default_factory=dict)
+    messages: list[dict[str, str]] | None = None
 
 
 @dataclass

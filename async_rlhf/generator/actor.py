@@ -33,42 +33,49 @@ import uuid
 from typing import Any
 
 from async_rlhf.buffer.build import make_client
-from async_rlhf.buffer.client import with_retry
+from async_rlhf.buffer.client import stop_retries
 from async_rlhf.config import Config
 from async_rlhf.env.registry import make_env
+from async_rlhf.evaluation import score_eval_set
 from async_rlhf.generator.groups import GroupRunner
+from async_rlhf.generator.loop_phases import EVAL_PREFIX, LoopPhases, LoopState
 from async_rlhf.generator.rollout import EnginePolicy
-from async_rlhf.generator.stream import PromptStream, group_id
+from async_rlhf.generator.stream import PromptStream
+from async_rlhf.rewards.base import Completion
 from async_rlhf.rewards.streak import FailureStreak
 from async_rlhf.timeline import Timeline
 
 log = logging.getLogger(__name__)
 
-EVAL_PREFIX = "eval:"
-UPDATE_POLL_S = 0.005
-"""How often the loop asks the worker whether a new version has arrived (a collective_rpc round trip)."""
 
 
-class GeneratorActor:
+
+class GeneratorActor(LoopPhases):
     def __init__(self, gen_id: int, cfg: Config, model_path: str, buffer_address: str) -> None:
         from vllm import LLM  # heavy import at the edge
 
-        from async_rlhf.tiny.tokenizer import load_tokenizer
+        from async_rlhf.endpoints import bind_gloo_to_node
+        from async_rlhf.generator.engine_args import VersionClock, engine_kwargs, engine_lag
+        from async_rlhf.prompts.chat import ChatRenderer
+        from async_rlhf.tokenizer import load_tokenizer, stop_token_ids
 
+        bind_gloo_to_node()  # the push group's gloo pairs listen where the sender can reach them
         self.gen_id = gen_id
         self.cfg = cfg
         self.buffer_address = buffer_address
+        engine = engine_kwargs(cfg)  # per-device defaults; in-flight updates turn async scheduling off
         self.llm = LLM(
             model=model_path,
-            dtype=cfg.model.dtype,
-            enforce_eager=True,
-            max_model_len=cfg.model.max_model_len,
             worker_extension_cls="async_rlhf.generator.worker_ext.WeightSyncWorker",
             seed=cfg.train.seed * 1000 + gen_id,
-            gpu_memory_utilization=0.3,
+            **engine,
         )
+        self._clock = VersionClock(engine_lag(engine, cfg.resources.generator_gpus > 0))
+        """Stamps the tokens of each engine step with the version that computed them."""
         self.engine = self.llm.llm_engine
-        self.tokenizer = load_tokenizer(model_path)
+        self.tokenizer = load_tokenizer(model_path)  # the model's own (special tokens, chat template)
+        self.stop_ids = stop_token_ids(model_path, self.tokenizer)  # generation_config.json's eos ids too
+        self.chat = ChatRenderer(self.tokenizer, cfg.prompts.chat_template, model_path)
         self.env = make_env(cfg.task)
         self.policy = EnginePolicy(self._add_turn_request, self._encode, self._decode,
                                    cfg.generator.max_new_tokens, cfg.model.max_model_len)
@@ -94,9 +101,19 @@ class GeneratorActor:
         self.dropped: dict[str, str] = {}
         self.evals: list[dict[str, float]] = []
         self._in_flight = 0
-        # held-out prompts are fixed: tokenize them once, not at every evaluation
-        self._heldout = self.env.heldout()
-        self._heldout_ids = [self._encode(p.text) for p in self._heldout]
+        # held-out prompts are fixed: tokenize them once, not at every evaluation. With prompts.eval_path they
+        # are the user's, scored by rewards.sources (only generator 0 evaluates); else the task's own
+        self._eval_set = bool(cfg.prompts.eval_path)
+        self._eval_tasks: set[Any] = set()
+        if self._eval_set:
+            from async_rlhf.evaluation import load_eval_prompts
+
+            self._heldout = load_eval_prompts(cfg) if gen_id == 0 else []
+        else:
+            self._heldout = self.env.heldout()
+        prepared = [self.chat.prepare(p) for p in self._heldout]
+        self._heldout = [p for p, _ in prepared]  # rendered: what the reward sources see
+        self._heldout_ids = [ids for _, ids in prepared]
 
     # -- control, called from other threads --------------------------------------------------
     def ready(self) -> int:
@@ -106,9 +123,11 @@ class GeneratorActor:
                          late: bool = False) -> None:
         """Join the push group as ``member_id`` and start receiving every push in the background; a late
         joiner takes the next version before it serves."""
+        from async_rlhf.config import push_min_gbps
+
         sync = self.cfg.sync
         self.llm.collective_rpc("init_receiver", args=(host, port, member_id, layout, sync.backend, sync.timeout_s,
-                                                       sync.receive_buffers))
+                                                       sync.receive_buffers, push_min_gbps(self.cfg)))
         if late:
             with self._lock:
                 self._awaiting_first = True  # the loop receives the learner's next version first
@@ -117,7 +136,10 @@ class GeneratorActor:
         self.llm.collective_rpc("start_fetching", kwargs={"timeout_s": sync.timeout_s})
 
     def stop(self, drain: bool = False) -> None:
-        """End the loop; with ``drain``, admit nothing more and end once every group in flight is put."""
+        """End the loop; with ``drain``, admit nothing more and end once every group in flight is put.
+        Without it, buffer requests give up within a short grace (the buffer may be what is gone)."""
+        if not drain:
+            stop_retries()
         (self._draining if drain else self._stop).set()
 
     def resume_stream(self, position: int, reissue: list[int], skip: list[int], version: int | None = None) -> None:
@@ -159,13 +181,13 @@ class GeneratorActor:
         client = make_client(cfg, self.buffer_address, consumer=f"generator-{self.gen_id}")
         patience = cfg.buffer.redis_retry_s + cfg.buffer.request_timeout_s
         self._sampling = {n: SamplingParams(max_tokens=n, temperature=gen_cfg.temperature, logprobs=0,
-                                            output_kind=RequestOutputKind.DELTA)
+                                            stop_token_ids=self.stop_ids, output_kind=RequestOutputKind.DELTA)
                           for n in range(1, gen_cfg.max_new_tokens + 1)}
         from async_rlhf.prompts.build import make_prompts
         from async_rlhf.rewards.build import make_rewards
 
         seed = cfg.train.seed * 7919 + self.gen_id
-        source = make_prompts(cfg, self.env, seed, consumer=f"generator-{self.gen_id}")
+        source = make_prompts(cfg, self.env, seed, consumer=f"generator-{self.gen_id}", lane=self._lane())
         rewards = make_rewards(cfg, self.env)
         runner = GroupRunner(self.env, rewards, self.policy, client, group_size=cfg.train.group_size,
                              reward_timeout_s=cfg.rewards.timeout_s, patience_s=patience, generator=self.gen_id,
@@ -175,104 +197,34 @@ class GeneratorActor:
                                                                consumer=f"generator-{self.gen_id}"))
         self._groups = runner.groups
         eval_params = SamplingParams(max_tokens=gen_cfg.max_new_tokens, temperature=0.0,
-                                     output_kind=RequestOutputKind.FINAL_ONLY)
+                                     stop_token_ids=self.stop_ids, output_kind=RequestOutputKind.FINAL_ONLY)
         problems = PromptStream(source, **self._resume)
-        eval_out: dict[str, str] = {}
-        eval_version = -1
-        eval_pending = 0
-        last_refused = 0.0
-        last_poll, staged = 0.0, None
+        st = LoopState()
         self._last_swap = time.monotonic()
         self._running.set()
         try:
             while not self._stop.is_set() and not (self._draining.is_set() and len(self._groups) == 0):
                 self._reward_streak.check(self.gen_id)  # a broken reward source stops the run, named
-                # 1) weight update: received by the worker's fetch thread while the engine keeps generating,
-                #    swapped in at a step boundary (in_flight) or once nothing is in flight (drain)
-                drain = gen_cfg.update_mode == "drain"
-                now = time.monotonic()
-                if now - last_poll >= UPDATE_POLL_S or self._awaiting_first:
-                    last_poll = now
-                    staged = self.llm.collective_rpc("staged_version")[0]
-                pending = staged is not None
-                if pending and eval_pending == 0 and (not drain or len(self._groups) == 0) and (
-                        self._awaiting_first or self._swap_due(staged, now)):
-                    self._load_version()
-                    staged = None
+                if self._swap_phase(st):
                     continue
-                if self._awaiting_first:  # a late joiner serves nothing before its first version
-                    self.timeline.enter("paused_for_push")
-                    time.sleep(0.002)
-                    continue
-                # 2) held-out eval on generator 0 when its version reaches a multiple of eval_every
-                if (self.gen_id == 0 and gen_cfg.eval_every and eval_pending == 0
-                        and self.version % gen_cfg.eval_every == 0 and self.version != eval_version):
-                    eval_version = self.version
-                    for i, ids in enumerate(self._heldout_ids):
-                        self.engine.add_request(f"{EVAL_PREFIX}{i}", {"prompt_token_ids": ids}, eval_params)
-                        eval_pending += 1
-                # 3) admission
-                want = gen_cfg.groups_in_flight - len(self._groups)
-                if (want > 0 and not (pending and drain) and not self._draining.is_set()
-                        and time.monotonic() - last_refused > 0.005):
-                    want = min(want, problems.reissue_left + source.prefetch(want))  # prompts ready now
-                    granted, live = with_retry(lambda: client.admit(want), "admit", patience) if want else (0, 0)
-                    if granted < want or want == 0:
-                        last_refused = time.monotonic()
-                    if granted and live > self.version and not drain and eval_pending == 0:
-                        # the buffer's version is held by every generator (it is set once the push is
-                        # acknowledged): serve it before starting these groups, or they are born stale
-                        staged = self.llm.collective_rpc("staged_version")[0]
-                        if staged is not None and staged >= live:
-                            self._load_version()
-                            staged = None
-                    for _ in range(granted):
-                        seq, prompt = next(problems)
-                        self._position = max(self._position, problems.position)
-                        runner.start(group_id(self.gen_id, self._run_tag, seq), prompt, self._encode(prompt.text))
-                    if granted:
-                        runner.pump()  # the new groups' first turns reach the engine
+                self._eval_phase(st, eval_params)
+                self._admit_phase(st, client, problems, source, runner, patience)
                 self._in_flight = len(self._groups)
-                # 4) one engine step
-                if not self.engine.has_unfinished_requests():
-                    # idle with groups in flight: they await their environment or a late reward
-                    self.timeline.enter("wait_env_or_reward" if self._groups else "wait_admission")
-                    time.sleep(0.002)
-                    runner.pump()  # environments and late rewards awaiting something other than the engine
-                    continue
-                self.timeline.enter("generate")
-                outputs = self.engine.step()
-                finished = False
-                for out in outputs:
-                    if out.request_id.startswith(EVAL_PREFIX):
-                        if out.finished:
-                            eval_out[out.request_id] = self.tokenizer.decode(out.outputs[0].token_ids,
-                                                                             skip_special_tokens=True)
-                            eval_pending -= 1
-                            if eval_pending == 0:
-                                self._record_eval(eval_version, eval_out)
-                                eval_out = {}
-                        continue
-                    c = out.outputs[0]
-                    lps = [lp[tok].logprob for tok, lp in zip(c.token_ids, c.logprobs or [])]
-                    self.counters["tokens"] += len(c.token_ids)
-                    self.policy.on_output(out.request_id, list(c.token_ids), lps, self.version,
-                                          c.finish_reason if out.finished else None)
-                    finished = finished or out.finished
-                if finished or runner.reward_tasks or time.monotonic() - runner.last_pump > 0.01:
-                    runner.pump()
+                self._step_phase(st, runner, rewards)
             # a stopped generator holds the newest version it received (the learner's last push was
             # acknowledged before it stopped): load it, so the engine ends on the final weights
-            last = self.llm.collective_rpc("staged_version")[0]
+            last = self._staged()
             if last is not None and last > self.version:
                 self._load_version()
         finally:
             self.timeline.stop()
             abandoned = self.policy.cancel_all()
             open_groups = len(runner.groups)
+            for task in list(self._eval_tasks):
+                task.cancel()
             with contextlib.suppress(Exception):
                 runner.cancel_all()
-            if eval_pending:
+            if st.eval_pending:
                 abandoned += [f"{EVAL_PREFIX}{i}" for i in range(len(self._heldout))]
             if abandoned:
                 self.engine.abort_request(abandoned)
@@ -287,6 +239,23 @@ class GeneratorActor:
                 rewards.close()
         return self.stats()
 
+    def _lane(self) -> tuple[int, int] | None:
+        """This generator's stride of a file or Python prompt source: lane ``gen_id`` of ``generators`` (a
+        restarted generator, or one re-added under a freed id, continues its lane); None beyond the configured
+        fleet, where prompts are drawn on their own and may repeat within an epoch."""
+        if self.gen_id < self.cfg.generators:
+            return (self.gen_id, self.cfg.generators)
+        if self.cfg.prompts.source in ("file", "python"):
+            log.warning("generator %d is beyond the configured fleet (generators=%d): it draws prompts on its own "
+                        "shuffle, so prompts may repeat within an epoch", self.gen_id, self.cfg.generators)
+        return None
+
+    def _staged(self) -> int | None:
+        """The version every worker of the engine (one per TP rank) has staged (see ``common_staged``)."""
+        from async_rlhf.generator.worker_ext import common_staged
+
+        return common_staged(self.llm.collective_rpc("staged_version"))
+
     def _swap_due(self, staged: int, now: float) -> bool:
         """Whether to load the staged version now: every ``generator.min_swap_interval_s`` at most, unless
         the engine already lags it by ``train.max_staleness`` versions (its tokens would soon be too stale)."""
@@ -298,7 +267,21 @@ class GeneratorActor:
         self.timeline.enter("paused_for_push")
         self._last_swap = time.monotonic()
         try:
-            received = self.llm.collective_rpc("apply_update")[0]  # sync/pause_s: the swap itself
+            exact: dict[str, Any] = {}
+            if self.cfg.resources.tensor_parallel > 1:  # every TP worker loads one agreed version (worker_ext.py)
+                from async_rlhf.generator.worker_ext import agreed_version
+
+                agreed = agreed_version(self.llm.collective_rpc("hold_staged"))
+                if agreed is None:  # one worker holds nothing (or failed): load nothing, or shards would differ
+                    errors = [e for e in self.llm.collective_rpc("release_hold") if e]
+                    raise RuntimeError(f"the engine's TP workers do not all hold a version; none loaded "
+                                       f"({'; '.join(errors) or 'nothing staged on some worker'})")
+                exact["version"] = agreed
+            per_worker = self.llm.collective_rpc("apply_update", kwargs=exact)  # sync/pause_s: the swap itself
+            received = per_worker[0]
+            if len({int(r["version"]) for r in per_worker}) > 1:  # TP workers must serve one version
+                raise RuntimeError(f"the engine's TP workers loaded different versions "
+                                   f"{[int(r['version']) for r in per_worker]}")
         except Exception as exc:  # a failed fetch, or a load error: the fetch thread goes on with the next push
             log.warning("generator %d: weight update failed, waiting for the next version: %s", self.gen_id, exc)
             with self._lock:
@@ -318,11 +301,26 @@ class GeneratorActor:
             c["sync/transfer_s_last"] = float(received["sync/transfer_s"])
             c["sync/coalesced"] = float(received.get("sync/coalesced", 0.0))
 
-    def _record_eval(self, version: int, outputs: dict[str, str]) -> None:
+    def _record_eval(self, version: int, outputs: dict[str, Completion], rewards: Any, runner: GroupRunner) -> None:
         prompts = self._heldout
+        if self._eval_set:  # scored by the reward sources, which may be late: awaited between engine steps
+            order = sorted(outputs, key=lambda rid: int(rid[len(EVAL_PREFIX):]))
+            task = runner.loop.create_task(score_eval_set(
+                version, rewards, [prompts[int(r[len(EVAL_PREFIX):])] for r in order], [outputs[r] for r in order],
+                self.cfg.rewards.timeout_s, self._eval_done))
+            self._eval_tasks.add(task)
+            task.add_done_callback(self._eval_tasks.discard)
+            return
         correct = sum(self.env.verify(prompts[int(rid[len(EVAL_PREFIX):])], text) for rid, text in outputs.items())
         with self._lock:
             self.evals.append({"version": version, "accuracy": correct / len(prompts), "time": time.time()})
+
+    def _eval_done(self, version: int, figures: dict[str, float] | None, error: str = "") -> None:
+        if figures is None:  # a failed evaluation is reported, never stops generation
+            log.warning("generator %d: held-out evaluation at version %d failed: %s", self.gen_id, version, error)
+            return
+        with self._lock:
+            self.evals.append({"version": version, **figures, "time": time.time()})
 
     # -- environments and rewards (coroutines in generator/groups.py, run between engine steps) -----
     def _encode(self, text: str) -> list[int]:

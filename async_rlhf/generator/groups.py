@@ -30,7 +30,7 @@ from typing import Any
 from async_rlhf.buffer.client import BufferClient, with_retry
 from async_rlhf.env.base import Environment, Policy, Prompt, Trajectory
 from async_rlhf.generator.rollout import to_group
-from async_rlhf.rewards.base import RewardSource
+from async_rlhf.rewards.base import Completion, RewardSource
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +117,8 @@ class GroupRunner:
             log.exception("generator %d: environment %s failed on group %s", self.generator, self.env.name, gid)
             self._fail(gid, f"env_error: {exc!r}", "env_errors")
             return
-        texts = [t.text for t in trajs]
+        # the text, plus the token ids, finish reason and prompt ids a reward function may ask for (rewards/base.py)
+        texts: list[str] = [Completion(t.text, t.token_ids, t.finish_reason, ids) for t in trajs]
         meta: dict[str, Any] = {"prompt": prompt.text, **prompt.data}
         self.on_reward_phase()
         if self.rewards.immediate:

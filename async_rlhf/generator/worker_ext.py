@@ -33,8 +33,9 @@ from typing import Any, Protocol
 
 import torch
 
-from async_rlhf.sync.group import SyncTimeout
+from async_rlhf.sync.group import SyncError, SyncTimeout
 from async_rlhf.sync.layout import layout_from_wire
+from async_rlhf.sync.protocol import tp_member_id
 from async_rlhf.sync.receiver import Receiver, Staged
 
 
@@ -42,18 +43,40 @@ class LikeWorker(Protocol):
     """What this extension needs of the vLLM worker it is mixed into."""
 
     model_runner: Any
+    rank: int
+    parallel_config: Any
 
 
 def refresh_tied_lm_head(model: torch.nn.Module) -> None:
     """Redo the lm_head's post-load processing (the CPU backend prepacks its GEMM at load time).
 
     Without this, a tied lm_head keeps computing logits from the old embedding after
-    ``reload_weights`` although every parameter checksum matches (see DESIGN.md).
+    ``reload_weights`` although every parameter checksum matches (docs/architecture.md, "Weight push").
     """
     lm_head = getattr(model, "lm_head", None)
     method = getattr(lm_head, "quant_method", None)
     if method is not None and hasattr(method, "process_weights_after_loading"):
         method.process_weights_after_loading(lm_head)
+
+
+def common_staged(per_worker: list[int | None]) -> int | None:
+    """What an engine's workers (one per TP rank, each its own member) have staged, as one answer: -1 if any
+    fetch failed, None until every worker holds a version, else the oldest of them (a push completes for all
+    members at once, so they differ only for the moment between its acknowledgement and the next poll)."""
+    if any(v == -1 for v in per_worker):
+        return -1
+    if not per_worker or any(v is None for v in per_worker):
+        return None
+    return min(v for v in per_worker if v is not None)
+
+
+def agreed_version(held: list[int | None]) -> int | None:
+    """The version every TP worker of an engine loads after :meth:`WeightSyncWorker.hold_staged` returned
+    ``held``: the newest any of them holds (a push completes for all members at once, so the others hold it or
+    are finishing its receive), None if one failed or holds nothing (then no exact version is asked for)."""
+    if not held or any(v is None or v < 0 for v in held):
+        return None
+    return max(v for v in held if v is not None)
 
 
 class WeightSyncWorker:
@@ -62,13 +85,20 @@ class WeightSyncWorker:
     _fetched: threading.Condition | None = None
     _latest: Staged | None = None  # the newest version received whole and not yet applied
     _fetch_error: BaseException | None = None  # the fetch loop's last failure, handed to apply_update
+    _held = False  # a TP engine is agreeing on the version to load (hold_staged .. apply_update)
+    _holds = 0  # holds so far
+    _kept: dict[int, Staged] = {}  # the versions staged since the hold, by version (loadable until released)
 
     # -- the push group with membership epochs (async_rlhf.sync.receiver.Receiver) ----------------
     def init_receiver(self: LikeWorker, host: str, port: int, member_id: str, layout: list[dict[str, Any]],
-                      backend: str = "gloo", timeout_s: float = 120.0, buffers: int = 1) -> None:
-        """Connect to the sender's store as ``member_id`` (a stable id such as ``gen0``)."""
+                      backend: str = "gloo", timeout_s: float = 120.0, buffers: int = 1,
+                      min_gbps: float = 0.0) -> None:
+        """Connect to the sender's store as ``member_id`` (a stable id such as ``gen0``; TP worker r of a
+        tensor-parallel engine joins as ``gen0.tp<r>``: every worker receives, see :func:`tp_member_id`)."""
+        tp = self.parallel_config.tensor_parallel_size
+        member_id = tp_member_id(member_id, self.rank % tp, tp)
         self._receiver = Receiver(layout_from_wire(layout), member_id, host, port, backend, timeout_s,
-                                  buffers=buffers)
+                                  buffers=buffers, min_gbps=min_gbps)
 
     def set_weight_layout(self: LikeWorker, layout: list[dict[str, Any]]) -> None:
         """Change the bucket layout (the sender must change it at the same version boundary)."""
@@ -101,7 +131,11 @@ class WeightSyncWorker:
                     continue
                 with cond:
                     self._latest, self._fetch_error = staged, None
+                    if self._held:  # keep it loadable, and start no fetch (no slot is reused) until released
+                        self._kept[staged.version] = staged
                     cond.notify_all()
+                    hold = self._holds  # a new hold before this thread woke up is not this one's to wait out
+                    cond.wait_for(lambda: not self._held or self._holds != hold, timeout=rx.timeout_s)
 
         self._fetcher = threading.Thread(target=loop, name="weight-fetch", daemon=True)
         self._fetcher.start()
@@ -115,16 +149,41 @@ class WeightSyncWorker:
                 return self._latest.version
             return -1 if self._fetch_error is not None else None
 
+    def hold_staged(self: LikeWorker) -> int | None:
+        """A tensor-parallel engine's first step of a swap: keep every version staged from now on loadable (the
+        fetch loop starts no new fetch until :meth:`apply_update` releases it) and return the newest staged one
+        (-1: a failed fetch; None: none). The engine then asks every worker for one version (:func:`agreed_version`),
+        so no TP worker can load another one than its peers."""
+        self.start_fetching()
+        with self._fetched:
+            self._held, self._holds = True, self._holds + 1
+            self._kept = {self._latest.version: self._latest} if self._latest is not None else {}
+            if self._latest is not None:
+                return self._latest.version
+            return -1 if self._fetch_error is not None else None
+
+    def release_hold(self: LikeWorker) -> str | None:
+        """End a hold without loading anything (the TP workers did not all hold a version): the fetch loop goes
+        on; returns the fetch failure that stopped this worker, if any (cleared, as a load would clear it)."""
+        with self._fetched:
+            self._held, self._kept = False, {}
+            error, self._fetch_error = self._fetch_error, None
+            self._fetched.notify_all()
+        return None if error is None else f"{type(error).__name__}: {error}"
+
     def stage_update(self: LikeWorker, timeout_s: float | None = None) -> bool:
         """Start receiving pushes (the fetch loop) if not started; True once a version has arrived whole (or
         a fetch failed): then call :meth:`apply_update` between two engine steps."""
         self.start_fetching(timeout_s)
         return self.staged_version() is not None
 
-    def apply_update(self: LikeWorker, refresh_lm_head: bool = True, timeout_s: float | None = None) -> dict[str, Any]:
+    def apply_update(self: LikeWorker, refresh_lm_head: bool = True, timeout_s: float | None = None,
+                     version: int | None = None) -> dict[str, Any]:
         """Load the newest staged version into the engine (waits up to ``timeout_s`` for one if none has
         arrived yet); returns its version, epoch and timings. ``sync/pause_s`` is the time spent here: the
         engine's pause; ``sync/coalesced`` counts versions skipped so far because a newer one came first.
+        ``version`` (after :meth:`hold_staged`): load exactly that one, waiting for it if it is still arriving;
+        the hold is released either way.
 
         ``refresh_lm_head=False`` skips the tied lm_head's re-processing: only tests use it, to show
         that it is needed. Raises what the fetch raised (timeout, excluded, aborted push)."""
@@ -132,11 +191,26 @@ class WeightSyncWorker:
         rx = self._get_receiver()
         self.start_fetching()
         with self._fetched:
-            self._fetched.wait_for(lambda: self._latest is not None or self._fetch_error is not None,
-                                   timeout=timeout_s or rx.timeout_s)
-            staged, self._latest = self._latest, None
-            error, self._fetch_error = self._fetch_error, None
+            try:
+                if version is None:
+                    self._fetched.wait_for(lambda: self._latest is not None or self._fetch_error is not None,
+                                           timeout=timeout_s or rx.timeout_s)
+                    staged, self._latest = self._latest, None
+                else:
+                    self._fetched.wait_for(lambda: version in self._kept or self._fetch_error is not None or (
+                        self._latest is not None and self._latest.version >= version),
+                        timeout=timeout_s or rx.timeout_s)
+                    staged = self._kept.get(version) or (self._latest if self._latest is not None
+                                                          and self._latest.version == version else None)
+                    if staged is not None and self._latest is staged:
+                        self._latest = None  # a newer one stays staged for the next swap
+                error, self._fetch_error = self._fetch_error, None
+            finally:
+                self._held, self._kept = False, {}
+                self._fetched.notify_all()
         if staged is None:
+            if version is not None and error is None:
+                error = SyncError(f"version {version} is no longer staged here (the engine's TP workers disagree)")
             raise error or SyncTimeout(f"no version arrived within {timeout_s or rx.timeout_s:g} s")
         runner = self.model_runner
 

@@ -3,7 +3,9 @@
     per step s (version v = s // push_every); each line names what it waits for:
       wait_data         get batch_size/M groups from the buffer at version v (stale ones are dropped there)
       collate           pad and stack them
-      forward_backward  forward -> policy_loss (+ KL to the reference) -> backward
+      forward_backward  per micro-batch (learner.max_tokens_per_micro_batch; padded or packed): forward ->
+                        policy_loss (+ KL to the reference) over the step's counts -> backward (accumulate);
+                        data-parallel ranks all-reduce those counts first (learner/microbatch.py)
       push_wait         rank 0: the push of v (started after the last step) must be out before ...
       optimizer         ... the optimizer writes the parameters it sends from
       ack               tell the buffer which groups were trained
@@ -14,8 +16,8 @@
                         (admission opens one more batch)
       nobody waits for a generator to swap v in: each does at its own step boundary (sync/gen_* metrics)
 
-Under ZeRO-3 the parameters are gathered collectively on every rank, so that push stays on the training
-thread (state ``push``).
+Under ZeRO-3 the parameters are gathered collectively on every rank, a window of at most
+learner.zero3_gather_mb at a time (learner/zero3.py), so that push stays on the training thread (state ``push``).
 """
 
 from __future__ import annotations
@@ -31,47 +33,14 @@ from pathlib import Path
 from typing import Any
 
 from async_rlhf.config import Config
+from async_rlhf.learner.dpo_update import online_dpo_update
+from async_rlhf.learner.ranks import max_over_ranks, reduce_across_ranks, sum_over_ranks
 from async_rlhf.timeline import Timeline
 
 log = logging.getLogger(__name__)
 
 COMPUTE = ("collate", "forward_backward", "optimizer")
 """Learner states that are computation on the batch (``learner_compute_fraction``)."""
-
-
-@contextlib.contextmanager
-def full_params(engine: Any, zero_stage: int):
-    """Full (gathered under ZeRO-3) parameters of a DeepSpeed engine by Hugging Face name; collective on
-    every rank."""
-    import deepspeed
-
-    module = engine.module
-    ctx = (deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None)
-           if zero_stage == 3 else contextlib.nullcontext())
-    with ctx:
-        yield dict(module.named_parameters())
-
-
-def push_layout(params: dict[str, Any], bucket_cap: int, zero_stage: int) -> list:
-    """The buckets of the weight push for these (full) parameters, at most ``bucket_cap`` bytes each.
-
-    Under ZeRO-0 the parameters are also moved into one buffer in push order (``flatten_params``) so that
-    every push sends straight from it, in every dtype: the optimizers DeepSpeed builds there (torch's for
-    fp32, its unfused fp16/bf16 one, whose fp32 master copies are written back with ``p.data.copy_``) hold
-    the Parameter objects, not their storage. ZeRO-1/2 keep parameters as slices of their own flat buffers,
-    which the sender uses as they are; ZeRO-3 gathers fresh tensors for each push, sent as they lie when
-    they are back to back in push order (DeepSpeed gathers into one buffer), else packed. The sender checks
-    at every push where the tensors are, so a wrong guess here costs a copy, never wrong weights.
-    """
-    from async_rlhf.sync.layout import DTYPE_BYTES, TensorSpec, auto_bucket_bytes, plan_buckets
-    from async_rlhf.sync.tensors import dtype_name, flatten_params
-
-    specs = [TensorSpec(n, tuple(p.shape), dtype_name(p)) for n, p in params.items()]
-    total = sum(s.numel * DTYPE_BYTES[s.dtype] for s in specs)
-    buckets = plan_buckets(specs, auto_bucket_bytes(total, lo=min(4 << 20, bucket_cap), hi=bucket_cap))
-    if zero_stage == 0:
-        flatten_params(params, buckets)
-    return buckets
 
 
 class LearnerActor:
@@ -81,17 +50,25 @@ class LearnerActor:
         import torch
         from transformers import AutoModelForCausalLM
 
+        from async_rlhf.endpoints import bind_gloo_to_node
+
         torch.set_num_threads(cfg.learner.threads)
         torch.manual_seed(cfg.train.seed + rank)
+        bind_gloo_to_node()  # DeepSpeed's and the push group's gloo pairs listen where the other nodes reach them
         os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": "0",
                            "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)})
         deepspeed.init_distributed(dist_backend=cfg.learner.backend, auto_mpi_discovery=False)
+        from async_rlhf.learner.device import Placer, rank_device
+
+        self.placer = Placer(rank_device())  # every input, the reference and reward models go there
         self.rank, self.world_size, self.cfg = rank, world_size, cfg
         self.model_path = model_path
         self.buffer_address = buffer_address
         dtype = getattr(torch, cfg.model.dtype)
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
         model.config.use_cache = False
+        if cfg.learner.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
         per_rank = cfg.train.batch_size // world_size * cfg.train.group_size
         ds_config = {
@@ -105,19 +82,31 @@ class LearnerActor:
             "fp16": {"enabled": cfg.model.dtype == "float16"},
             "steps_per_print": 10**9,
         }
-        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+        self.merged: Any = None  # train.lora: the merged weights the push sends (learner/lora.py)
+        if cfg.train.lora.enabled:
+            from async_rlhf.learner.lora import wrap_lora
+
+            model = wrap_lora(model, cfg.train.lora)  # only the adapters train: the optimizer gets only them
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.train.lr,
+                                      weight_decay=cfg.train.weight_decay)
         self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
         algorithm = cfg.train.algorithm
         self.ref_model = None  # the frozen initial policy: KL in the loss or the PPO reward, DPO's reference
-        if (cfg.train.objective.kl_coef > 0 or algorithm == "online_dpo"
+        if cfg.train.lora.enabled:
+            from async_rlhf.learner.lora import AdapterOff, MergedWeights
+
+            self.merged = MergedWeights(self.engine.module)
+            if cfg.train.objective.kl_coef > 0:  # the base itself: the policy with its adapters off
+                self.ref_model = AdapterOff(self.engine.module)
+        elif (cfg.train.objective.kl_coef > 0 or algorithm == "online_dpo"
                 or (algorithm == "ppo" and cfg.train.ppo.kl_coef > 0)):
-            self.ref_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
+            self.ref_model = self.placer.module(AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval())
             self.ref_model.requires_grad_(False)
         self.ppo: Any = None  # critic engine + reward models, beside the actor on this rank
         if algorithm == "ppo":
             from async_rlhf.learner.ppo import PPOTrainer
 
-            self.ppo = PPOTrainer(cfg, model_path, ds_config)
+            self.ppo = PPOTrainer(cfg, model_path, ds_config, self.placer)
         self.version = 0
         self.step = 0
         self.metrics: list[dict[str, Any]] = []
@@ -134,10 +123,21 @@ class LearnerActor:
 
     # -- weight push (rank 0) ----------------------------------------------------------------
     def weight_layout(self) -> list[dict[str, Any]]:
+        from async_rlhf.learner.push import push_layout
         from async_rlhf.sync.layout import layout_to_wire
 
-        with self._full_params() as params:
-            self._buckets = push_layout(params, self.cfg.sync.bucket_mb << 20, self.cfg.learner.zero_stage)
+        lc = self.cfg.learner
+        if self.merged is not None:  # frozen base tensors and the merged buffers: kept flat at any ZeRO stage
+            self._buckets = push_layout(self.merged.tensors, self.cfg.sync.bucket_mb << 20, 0)
+        elif lc.zero_stage == 3:  # shapes without gathering; each push gathers a window at a time (learner/zero3.py)
+            from async_rlhf.learner.zero3 import windowed_gather
+
+            self._buckets = push_layout(dict(self.engine.module.named_parameters()), self.cfg.sync.bucket_mb << 20, 3)
+            self._windows = windowed_gather(self.engine.module, self._buckets, lc.zero3_gather_mb << 20,
+                                            self.placer.device)
+        else:  # ZeRO 0-2: every rank holds the full parameters
+            params = dict(self.engine.module.named_parameters())
+            self._buckets = push_layout(params, self.cfg.sync.bucket_mb << 20, lc.zero_stage)
         return layout_to_wire(self._buckets)
 
     def init_weight_sync(self, host: str, port: int, member_ids: list[str]) -> None:
@@ -153,17 +153,22 @@ class LearnerActor:
         if self._pusher is not None:
             self._pusher.members_died(member_ids)
 
-    def _full_params(self):
-        return full_params(self.engine, self.cfg.learner.zero_stage)
-
     def _start_push(self, version: int) -> None:
         """Hand ``version`` to the push thread (rank 0) and return at once; under ZeRO-3 gather and push
         here (every rank takes part in the gather). Metrics of finished pushes go to ``_push_metrics``."""
         self._push_metrics.update(self._await_push())
-        if self.cfg.learner.zero_stage == 3:
-            with self._phase("push"), self._full_params() as params:
+        if self.cfg.learner.zero_stage == 3:  # every rank gathers along, a window at a time
+            with self._phase("push"):
                 if self.rank == 0:
-                    self._push_metrics.update(self._pusher.push(params, version))
+                    params = dict(self.engine.module.named_parameters())
+                    self._push_metrics.update(self._pusher.push(params, version, self._windows))
+                else:
+                    self._windows.follow()
+        elif self.merged is not None and self.rank == 0:  # LoRA: base + scaled B @ A, merged before the push reads it
+            t0 = time.perf_counter()
+            params = self.merged.refresh()
+            self._push_metrics["sync/lora_merge_s"] = time.perf_counter() - t0
+            self._pusher.start(params, version)
         elif self.rank == 0:
             self._pusher.start(dict(self.engine.module.named_parameters()), version)
 
@@ -195,14 +200,17 @@ class LearnerActor:
     def train(self, steps: int) -> dict[str, Any]:
         from async_rlhf.buffer.build import make_client
         from async_rlhf.buffer.client import with_retry
-        from async_rlhf.checkpoint import staging_dir
+        from async_rlhf.checkpoint_layout import staging_dir
         from async_rlhf.learner.batch import collate
+        from async_rlhf.learner.checkpoint_trigger import CheckpointTrigger
         from async_rlhf.learner.objectives import correction_saturated
 
         cfg = self.cfg
         client = make_client(cfg, self.buffer_address, consumer=f"learner-{self.rank}")
         patience = cfg.buffer.redis_retry_s + cfg.buffer.request_timeout_s
         share = cfg.train.batch_size // self.world_size
+        ckpt = CheckpointTrigger(cfg.run.checkpoint_every, cfg.run.checkpoint_every_s, any_rank=(
+            (lambda due: max_over_ranks(int(due)) > 0) if self.world_size > 1 else None))
         self.engine.train()
         try:
             for _ in range(steps):
@@ -217,7 +225,7 @@ class LearnerActor:
                         want = share - len(groups)
                         groups += with_retry(lambda: client.get(want, self.version, wait_s=2.0), "get", patience)
                 with self._phase("collate"):
-                    batch = collate(groups, self.pad_id, cfg.train.advantage)
+                    batch = self.placer.batch(collate(groups, self.pad_id, cfg.train.advantage))
                 m = self._update(batch, [len(g.samples) for g in groups])
                 with self._phase("ack"):
                     skipped = with_retry(lambda: client.ack_consumed(batch.group_ids), "ack", patience)
@@ -243,11 +251,13 @@ class LearnerActor:
                         "staleness/max": int(stale.max().item()) if stale.numel() else 0,
                         **m, **push,
                     }
-                every = cfg.run.checkpoint_every
-                if (every and self.step % every == 0) or _ == steps - 1 or self.step == self._stop_at:
+                    if self.world_size > 1:
+                        reduce_across_ranks(record)
+                if ckpt.due(self.step) or _ == steps - 1 or self.step == self._stop_at:  # due(): on every rank
                     with self._phase("checkpoint"):
                         record["checkpoint/step"] = self.step
                         record["checkpoint/save_s"] = self.save_checkpoint(str(staging_dir(cfg.run.dir, self.step)))
+                    ckpt.saved()
                 times = self._step_times
                 record.update({f"time/{k}_s": v for k, v in times.items()})
                 record.update({"time/data_wait_s": times["wait_data"], "time/train_s": sum(
@@ -278,52 +288,54 @@ class LearnerActor:
         """
         import torch
 
-        from async_rlhf.learner.batch import token_logprobs
-        from async_rlhf.learner.objectives import entropy_from_logits, kl_penalty, masked_mean, policy_loss
+        from async_rlhf.learner.microbatch import (
+            ForwardOptions,
+            PolicyStep,
+            accumulate_policy_grads,
+            engine_backward,
+            logprobs_no_grad,
+            plan_micro_batches,
+            step_norm,
+        )
 
         obj = self.cfg.train.objective
         if self.cfg.train.algorithm == "online_dpo":
-            return self._dpo_update(batch, group_sizes or [batch.input_ids.shape[0]])
-        k = min(self.cfg.train.minibatches, batch.input_ids.shape[0])
-
-        def forward(model: Any, idx: Any) -> tuple[Any, Any]:
-            logits = model(input_ids=batch.input_ids[idx], attention_mask=batch.attention_mask[idx]).logits
-            return logits, token_logprobs(logits, batch.input_ids[idx])
-
+            sizes = group_sizes or [batch.input_ids.shape[0]]
+            return online_dpo_update(self.engine, self.ref_model, self.cfg, batch, sizes, self._phase,
+                                     self._optimizer_step, max_over_ranks if self.world_size > 1 else None)
+        lc = self.cfg.learner
+        opts = ForwardOptions(lc.pack, lc.logprob_chunk_tokens, lc.max_tokens_per_micro_batch)
+        n = batch.input_ids.shape[0]
+        k = min(self.cfg.train.minibatches, n)
+        every = torch.arange(n)
         prox_all = None
         if k > 1 and obj.kind not in ("ppo", "decoupled_ppo_interp"):
-            with self._phase("forward_backward"), torch.no_grad():
-                prox_all = forward(self.engine, slice(None))[1]
+            with self._phase("forward_backward"):
+                prox_all = logprobs_no_grad(self.engine, batch, every, opts)
         adv = batch.advantages.unsqueeze(1).expand_as(batch.behav_logp)
         targets = None
         if self.ppo is not None:
             ref = self.ref_model
             with self._phase("forward_backward"):
-                targets = self.ppo.prepare(batch, (lambda: forward(ref, slice(None))[1]) if ref is not None else None)
+                targets = self.ppo.prepare(batch, (lambda: logprobs_no_grad(ref, batch, every, opts))
+                                           if ref is not None else None)
             adv = targets.advantages
+        reduce = sum_over_ranks if self.world_size > 1 else None
         per_step: list[dict[str, float]] = []
-        for j, idx in enumerate(torch.arange(batch.input_ids.shape[0]).chunk(k)):
+        for j, idx in enumerate(every.chunk(k)):
             with self._phase("forward_backward"):
-                logits, logp = forward(self.engine, idx)
-                mask = batch.loss_mask[idx]
-                prox = prox_all[idx] if prox_all is not None else (logp.detach() if k == 1 else None)
-                loss, m = policy_loss(logp, prox, batch.behav_logp[idx], adv[idx], mask, obj,
-                                      token_versions=batch.versions[idx], current_version=self.version + j / k,
-                                      prox_version=self.version)
-                if self.ref_model is not None and obj.kl_coef > 0:
-                    with torch.no_grad():
-                        ref_logp = forward(self.ref_model, idx)[1]
-                    kl = masked_mean(kl_penalty(logp, ref_logp, mask, obj.kl_estimator), mask)
-                    loss = loss + obj.kl_coef * kl
-                    m["ppo/kl_ref"] = float(kl.item())
-                self.engine.backward(loss)
+                norm = step_norm(batch.loss_mask[idx], self.cfg.generator.max_new_tokens, self.world_size, reduce)
+                parts = plan_micro_batches(batch.attention_mask[idx].sum(dim=1).tolist(), opts.max_tokens, opts.pack)
+                plan = [[int(idx[i]) for i in part] for part in parts]
+                if reduce is not None:  # every rank runs as many backwards (ZeRO-2/3 reduce in each)
+                    plan += [[] for _ in range(max_over_ranks(len(plan)) - len(plan))]
+                step = PolicyStep(adv, prox_all, self.version + j / k, self.version)
+                m = accumulate_policy_grads(self.engine, batch, plan, step, obj, norm, opts,
+                                            engine_backward(self.engine), self.ref_model)
             self._optimizer_step()
             with self._phase("forward_backward"):
                 if targets is not None:
                     m.update(self.ppo.train_critic(batch, idx, targets))
-            with self._phase("metrics"), torch.no_grad():
-                m["ppo/entropy"] = float(entropy_from_logits(logits[:, :-1], mask).item())
-                m["optim/loss"] = float(loss.item())
             per_step.append(m)
         merged: dict[str, float] = {}
         for key in per_step[0]:
@@ -333,52 +345,11 @@ class LearnerActor:
             merged.update(targets.metrics)
         return merged
 
-    def _dpo_update(self, batch: Any, group_sizes: list[int]) -> dict[str, float]:
-        """Online DPO: best against worst completion of every prompt group, ``train.minibatches`` steps.
-
-        Only the rows that are in a pair are forwarded; a batch without any pair (every group a tie) still
-        takes one zero-gradient step, so data-parallel ranks stay in lockstep.
-        """
-        import torch
-
-        from async_rlhf.learner.batch import token_logprobs
-        from async_rlhf.learner.online_dpo import online_dpo_loss, select_pairs
-
-        dpo = self.cfg.train.dpo
-        pairs = select_pairs(batch.rewards, group_sizes)
-        k = max(1, min(self.cfg.train.minibatches, len(pairs)))
-        chunks = [pairs[j::k] for j in range(k)]
-        per_step: list[dict[str, float]] = []
-        for chunk in chunks:
-            rows = sorted({i for pair in chunk for i in pair}) or [0]
-            local = {row: j for j, row in enumerate(rows)}
-            ids, attn = batch.input_ids[rows], batch.attention_mask[rows]
-            with self._phase("forward_backward"):
-                with torch.no_grad():
-                    ref_logp = token_logprobs(self.ref_model(input_ids=ids, attention_mask=attn).logits, ids)
-                logp = token_logprobs(self.engine(input_ids=ids, attention_mask=attn).logits, ids)
-                loss, m = online_dpo_loss(logp, ref_logp, batch.loss_mask[rows],
-                                          [(local[c], local[r]) for c, r in chunk], dpo.beta, dpo.label_smoothing)
-                self.engine.backward(loss)
-            self._optimizer_step()
-            m["optim/loss"] = float(loss.item())
-            if chunk:  # the margin on the same pairs after the step: the step's own progress (a no-grad forward)
-                with torch.no_grad():
-                    after = token_logprobs(self.engine(input_ids=ids, attention_mask=attn).logits, ids)
-                    _, m_after = online_dpo_loss(after, ref_logp, batch.loss_mask[rows],
-                                                 [(local[c], local[r]) for c, r in chunk], dpo.beta)
-                m["dpo/margin_after_step"] = m_after["dpo/reward_margin"]
-            per_step.append(m)
-        merged = {key: sum(m.get(key, 0.0) for m in per_step) / len(per_step) for key in per_step[0]}
-        merged["dpo/pairs"] = float(len(pairs))
-        merged["dpo/groups_with_pair"] = len(pairs) / max(1, len(group_sizes))
-        return merged
-
     def metrics_since(self, index: int) -> list[dict[str, Any]]:
         with self._lock:
             return self.metrics[index:]
 
-    # -- checkpoints (the driver commits them: manifest, rename, prune; see async_rlhf/checkpoint.py) ----
+    # -- checkpoints (the driver commits them: manifest, rename, prune; see async_rlhf/driver/checkpoints.py) ----
     def save_checkpoint(self, out_dir: str) -> float:
         """Model, optimizer, step and version (DeepSpeed, collective on every rank) and, from rank 0, the
         policy as a Hugging Face directory, all under ``out_dir``; returns the seconds it took."""
@@ -386,16 +357,20 @@ class LearnerActor:
         out = Path(out_dir)
         self.engine.save_checkpoint(str(out / "deepspeed"), tag="state",
                                     client_state={"step": self.step, "version": self.version})
+        if self.ppo is not None:  # the critic and the reward moments (learner/ppo.py)
+            self.ppo.save(out, self.rank)
         self.save_hf(str(out / "policy"))
         return time.perf_counter() - t0
 
     def load_checkpoint(self, ckpt_dir: str) -> dict[str, int]:
-        """Restore model, optimizer, step and version from a committed checkpoint before train()."""
+        """Restore model, optimizer, step and version (and PPO's critic and reward moments) from a committed
+        checkpoint before train()."""
         _, client = self.engine.load_checkpoint(str(Path(ckpt_dir) / "deepspeed"), tag="state")
         if client is None:
             raise RuntimeError(f"{ckpt_dir}: DeepSpeed found no state to load")
         self.step, self.version = int(client["step"]), int(client["version"])
-        return {"step": self.step, "version": self.version}
+        critic = self.ppo.load(Path(ckpt_dir), self.rank) if self.ppo is not None else None
+        return {"step": self.step, "version": self.version, "critic_restored": critic}
 
     def current_step(self) -> int:
         return self.step
@@ -421,16 +396,25 @@ class LearnerActor:
         return out
 
     def save_hf(self, out_dir: str) -> str:
-        """Write the policy as a Hugging Face model directory (tokenizer files copied from the input)."""
+        """Write the policy as a Hugging Face model directory (tokenizer files, chat template and generation
+        config copied from the input, so it loads and stops as the input did; with LoRA the merged model); under
+        ZeRO-3 a window of parameters at a time, one shard each (collective: every rank calls it)."""
+        from async_rlhf.learner.lora import export_merged
+        from async_rlhf.learner.zero3 import save_hf_windowed
+        from async_rlhf.tokenizer import copy_tokenizer_files
+
         out = Path(out_dir)
-        with self._full_params():
-            if self.rank == 0:
-                tmp = out.with_name(out.name + ".tmp")
-                shutil.rmtree(tmp, ignore_errors=True)
-                self.engine.module.save_pretrained(tmp)
-                for f in Path(self.model_path).iterdir():
-                    if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
-                        shutil.copy(f, tmp / f.name)
-                shutil.rmtree(out, ignore_errors=True)
-                tmp.rename(out)
+        tmp = out.with_name(out.name + ".tmp")
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if self.cfg.learner.zero_stage == 3:  # (LoRA refuses ZeRO-3 at config load)
+            save_hf_windowed(self.engine.module, tmp, self.cfg.learner.zero3_gather_mb << 20, self.rank == 0)
+        elif self.rank == 0 and self.merged is not None:  # the merged model (and the adapter alone in adapter/)
+            export_merged(self.engine.module, str(tmp), self.merged)
+        elif self.rank == 0:  # ZeRO 0-2: every rank holds the full parameters
+            self.engine.module.save_pretrained(tmp)
+        if self.rank == 0:
+            copy_tokenizer_files(self.model_path, tmp)
+            shutil.rmtree(out, ignore_errors=True)
+            tmp.rename(out)
         return str(out)

@@ -88,11 +88,14 @@ class ValueModel(nn.Module):
 class CriticEngine:
     """The value model under its own DeepSpeed engine and optimizer, on the learner's process group."""
 
-    def __init__(self, path: str, dtype_name: str, lr: float, clip: float, ds_config: dict[str, Any]) -> None:
+    def __init__(self, path: str, dtype_name: str, lr: float, clip: float, ds_config: dict[str, Any],
+                 gradient_checkpointing: bool = False) -> None:
         import deepspeed
 
         dtype = getattr(torch, dtype_name)
         model = ValueModel(path, dtype)
+        if gradient_checkpointing:  # the body's decoder layers recompute their activations in backward
+            model.body.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
         self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=dict(ds_config))
         self.clip = clip

@@ -8,14 +8,9 @@ so that the same code path trains them. Heavy imports (deepspeed, torch) happen 
 from __future__ import annotations
 
 import os
-import socket
 from typing import Any
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from async_rlhf.endpoints import free_port
 
 
 def init_single_process(backend: str = "gloo") -> None:
@@ -28,7 +23,7 @@ def init_single_process(backend: str = "gloo") -> None:
     for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
                        "MASTER_ADDR": "127.0.0.1"}.items():
         os.environ.setdefault(key, value)
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
 
 

@@ -21,6 +21,7 @@ Values under ``mask == 0`` are never read: they are replaced by 0 before any ari
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -58,7 +59,36 @@ def masked_mean(x: Tensor, mask: Tensor, dim: int | tuple[int, ...] | None = Non
     return num / torch.where(den > 0, den, torch.ones_like(den))
 
 
-def aggregate(per_token_loss: Tensor, mask: Tensor, mode: str) -> Tensor:
+@dataclass(frozen=True)
+class LossNorm:
+    """The denominators of a loss reduction, counted over a whole optimizer step rather than one forward.
+
+    With micro-batches (gradient accumulation) and data-parallel ranks, each forward's loss is its own sum
+    divided by these step-wide counts, so the summed (and rank-averaged) gradient is that of one big batch.
+    ``tokens``, ``seqs`` and ``rows`` are totals over every rank; ``world`` is the number of ranks whose
+    gradients are averaged (each rank's loss is multiplied by it, which the average undoes).
+    """
+
+    tokens: float
+    """Masked (trained) tokens of the step."""
+    seqs: float
+    """Sequences with at least one masked token."""
+    rows: float
+    """Sequences of the step, all of them (Dr.GRPO's B)."""
+    max_tokens: int
+    """Dr.GRPO's constant T: the longest completion the generators may produce (``generator.max_new_tokens``)."""
+    world: int = 1
+    """Data-parallel ranks whose gradients are averaged."""
+
+    @staticmethod
+    def of(mask: Tensor, max_tokens: int, world: int = 1) -> LossNorm:
+        """The counts of one [B, T] mask (before any all-reduce)."""
+        valid = mask > 0
+        return LossNorm(float(valid.sum().item()), float(valid.any(dim=-1).sum().item()), float(mask.shape[0]),
+                        max_tokens, world)
+
+
+def aggregate(per_token_loss: Tensor, mask: Tensor, mode: str, norm: LossNorm | None = None) -> Tensor:
     """Reduce a [B, T] per-token loss to a scalar.
 
     * ``token_mean``: sum over all masked tokens / number of masked tokens (every token weighs the same,
@@ -66,21 +96,33 @@ def aggregate(per_token_loss: Tensor, mask: Tensor, mode: str) -> Tensor:
     * ``seq_mean_token_mean``: masked mean within each sequence, then mean over the sequences that have
       at least one masked token (every sequence weighs the same; rows with no trained token are padding
       rows and are not counted).
-    * ``seq_mean_token_sum_norm`` (Dr.GRPO): sum over masked tokens / (B * T_max) with the constant
-      T_max = ``mask.shape[1]``: no per-sequence length normalisation, so there is no length bias.
+    * ``seq_mean_token_sum_norm`` (Dr.GRPO): sum over masked tokens / (B * T) with a constant T: no
+      per-sequence length normalisation, so there is no length bias. T is ``norm.max_tokens`` (the
+      generators' longest completion); without ``norm`` it falls back to ``mask.shape[1]``, which is only
+      constant if the caller's width is.
+
+    With ``norm`` the counts (masked tokens, sequences, B) are the step's, not this tensor's: see
+    :class:`LossNorm`. Without it they are this tensor's, as one forward of the whole step.
     """
     valid = mask > 0
-    if mode == "token_mean":
-        return masked_mean(per_token_loss, mask)
+    zero = torch.zeros((), dtype=per_token_loss.dtype, device=per_token_loss.device)
+    if mode not in AGGREGATIONS:
+        raise ValueError(f"unknown loss aggregation {mode!r}; expected one of {', '.join(AGGREGATIONS)}")
+    if norm is None:
+        if mode == "token_mean":
+            return masked_mean(per_token_loss, mask)
+        if mode == "seq_mean_token_mean":
+            per_seq = masked_mean(per_token_loss, mask, dim=-1)
+            has_tokens = valid.any(dim=-1).to(per_seq.dtype)
+            return masked_mean(per_seq, has_tokens)
+        norm = LossNorm(0.0, 0.0, float(mask.shape[0]), int(mask.shape[1]))
     if mode == "seq_mean_token_mean":
-        per_seq = masked_mean(per_token_loss, mask, dim=-1)
-        has_tokens = valid.any(dim=-1).to(per_seq.dtype)
-        return masked_mean(per_seq, has_tokens)
-    if mode == "seq_mean_token_sum_norm":
-        zero = torch.zeros((), dtype=per_token_loss.dtype, device=per_token_loss.device)
+        total = masked_mean(per_token_loss, mask, dim=-1).sum()
+        count = norm.seqs
+    else:
         total = torch.where(valid, per_token_loss * mask, zero).sum()
-        return total / float(mask.shape[0] * mask.shape[1])
-    raise ValueError(f"unknown loss aggregation {mode!r}; expected one of {', '.join(AGGREGATIONS)}")
+        count = norm.tokens if mode == "token_mean" else norm.rows * norm.max_tokens
+    return total / (count / norm.world) if count > 0 else total * 0.0
 
 
 def kl_penalty(logp: Tensor, ref_logp: Tensor, mask: Tensor, estimator: str) -> Tensor:
@@ -217,6 +259,7 @@ def policy_loss(
     token_versions: Tensor | None = None,
     current_version: int | None = None,
     prox_version: int | None = None,
+    norm: LossNorm | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """Scalar policy loss for ``cfg.kind`` reduced with ``cfg.aggregation``, and python-float metrics.
 
@@ -238,6 +281,8 @@ def policy_loss(
 
     Dropped tokens contribute 0 but stay in the aggregation's normaliser (as in AReaL): the loss scale
     does not jump when many tokens are dropped, and a fully dropped batch gives 0, not nan.
+    ``norm`` gives the step-wide denominators when this call sees one micro-batch of the step (see
+    :class:`LossNorm`); the metrics are always this call's own means.
     ``prox_logp`` may be None only for ``ppo`` (the metrics then use the current log-probs) and for
     ``decoupled_ppo_interp``.
     """
@@ -304,7 +349,7 @@ def policy_loss(
             weight = torch.where(dropped, zero, maskf)
         per_token = weight * per_token
     per_token = torch.where(valid, per_token, zero)
-    loss = aggregate(per_token, maskf, cfg.aggregation)
+    loss = aggregate(per_token, maskf, cfg.aggregation, norm)
     metrics = _metrics(logp, prox, log_w, ratio, weight, valid, truncated, dropped, clipped, trace, log_cap)
     return loss, metrics
 

@@ -2,7 +2,7 @@
 
 Per learner step, before the policy minibatches (no gradient)::
 
-    score_i   = sum_k w_k * RM_k(prompt_i + completion_i) + task_weight * reward_i (the generator's reward)
+    score_i   = rm_weight * sum_k w_k * RM_k(prompt_i + completion_i) + task_weight * reward_i (the generator's reward)
     score_i   -> normalised by running mean/std (reward_norm), clipped to [-reward_clip, reward_clip]
     r_t       = -kl_coef * (log mu_t - log ref_t)   on every completion token (KL penalty in the reward)
     r_last   += score_i                              on the last completion token
@@ -13,13 +13,22 @@ Per learner step, before the policy minibatches (no gradient)::
 
 The behaviour log-probs mu (from vLLM) stand in for the sampling policy in the KL term: they are what
 actually generated the tokens, whatever the staleness, and cost no forward pass.
+
+With reward models, the generator's reward (the task's verifiable one under rewards.sources=task) is logged
+beside their score whatever its weight (rollout/task_reward_mean, rollout/rm_score_mean, ppo/rm_task_corr):
+a reward-model score that rises while the task reward does not is the reward model being gamed.
+
+A checkpoint holds the critic (weights and optimizer, its own DeepSpeed checkpoint under ``critic/``) and each
+rank's running reward moments (``critic/moments-rank<R>.json``), so a resume continues both.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,12 +42,14 @@ from async_rlhf.learner.objectives import masked_mean
 class RewardModels:
     """Weighted sum of the scores of one or more reward models, loaded where this object lives."""
 
-    def __init__(self, spec: list[tuple[str, float]], dtype: torch.dtype) -> None:
+    def __init__(self, spec: list[tuple[str, float]], dtype: torch.dtype, placer: Any = None) -> None:
         from transformers import AutoModelForSequenceClassification
 
         self.models = []
         for path, weight in spec:
             model = AutoModelForSequenceClassification.from_pretrained(path, dtype=dtype).eval()
+            if placer is not None:  # the learner rank's device (learner/device.py)
+                model = placer.module(model)
             model.requires_grad_(False)
             self.models.append((model, weight))
 
@@ -50,7 +61,7 @@ class RewardModels:
         without eos (``async_rlhf.offline.reward_model``), so the score is read at the completion's last
         real token whether or not generation stopped on eos.
         """
-        total = torch.zeros(input_ids.shape[0], dtype=torch.float32)
+        total = torch.zeros(input_ids.shape[0], dtype=torch.float32, device=input_ids.device)
         for model, weight in self.models:
             pad, eos = model.config.pad_token_id, model.config.eos_token_id
             ids, attn = input_ids, attention_mask
@@ -87,13 +98,43 @@ class RunningMoments:
     def std(self) -> float:
         return math.sqrt(self.m2 / self.count) if self.count > 1 else 1.0
 
+    def state(self) -> dict[str, float]:
+        return {"count": self.count, "mean": self.mean, "m2": self.m2}
+
+    @classmethod
+    def merged(cls, states: list[dict[str, float]]) -> RunningMoments:
+        """The moments of everything several trackers saw (one state: that tracker exactly)."""
+        out = cls()
+        for s in states:
+            n = int(s["count"])
+            if n == 0:
+                continue
+            total = out.count + n
+            delta = float(s["mean"]) - out.mean
+            out.mean += delta * n / total
+            out.m2 += float(s["m2"]) + delta * delta * out.count * n / total
+            out.count = total
+        return out
+
+
+def reward_mix_metrics(task: Tensor, rm: Tensor) -> dict[str, float]:
+    """The generator's (task) reward and the reward models' score of the same samples, side by side: means,
+    spreads and their Pearson correlation over the batch (0 when either is constant)."""
+    t, r = task.detach().double().flatten(), rm.detach().double().flatten()
+    t_std, r_std = float(t.std(unbiased=False)), float(r.std(unbiased=False))
+    corr = 0.0
+    if t_std > 1e-12 and r_std > 1e-12:
+        corr = float(((t - t.mean()) * (r - r.mean())).mean()) / (t_std * r_std)
+    return {"rollout/task_reward_mean": float(t.mean()), "rollout/rm_score_mean": float(r.mean()),
+            "ppo/task_reward_std": t_std, "ppo/rm_score_std": r_std, "ppo/rm_task_corr": corr}
+
 
 def whiten(x: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
     """(x - mean) / std over the masked positions; 0 elsewhere. A constant input gives 0."""
     mean = masked_mean(x, mask)
     var = masked_mean((x - mean).square(), mask)
     out = (x - mean) / torch.sqrt(var + eps)
-    return torch.where(mask > 0, out, torch.zeros((), dtype=x.dtype))
+    return torch.where(mask > 0, out, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
 def token_rewards(scores: Tensor, behav_logp: Tensor, ref_logp: Tensor | None, mask: Tensor,
@@ -103,17 +144,21 @@ def token_rewards(scores: Tensor, behav_logp: Tensor, ref_logp: Tensor | None, m
     Returns (rewards, per-token KL estimate mu - ref, 0 without a reference).
     """
     valid = mask > 0
-    zero = torch.zeros((), dtype=torch.float32)
+    zero = torch.zeros((), dtype=torch.float32, device=mask.device)
     kl = torch.zeros_like(behav_logp, dtype=torch.float32)
     if ref_logp is not None:
         kl = torch.where(valid, behav_logp.float() - ref_logp.float(), zero)
     rewards = -kl_coef * kl
-    cols = torch.arange(mask.shape[1]).expand_as(mask)
+    cols = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
     last = torch.where(valid, cols, torch.full_like(cols, -1)).max(dim=1).values
     has = last >= 0
-    rows = torch.arange(mask.shape[0])[has]
+    rows = torch.arange(mask.shape[0], device=mask.device)[has]
     rewards[rows, last[has]] += scores[has].float()
     return rewards, kl
+
+
+CRITIC_DIR = "critic"
+"""Where a checkpoint keeps the critic and the reward moments."""
 
 
 @dataclass
@@ -127,27 +172,31 @@ class PPOTargets:
 class PPOTrainer:
     """The parts of PPO that are not the policy loss: rewards, critic, GAE; one per learner rank."""
 
-    def __init__(self, cfg: Any, policy_path: str, ds_config: dict[str, Any]) -> None:
+    def __init__(self, cfg: Any, policy_path: str, ds_config: dict[str, Any], placer: Any = None) -> None:
         from async_rlhf.learner.critic import CriticEngine
 
         self.cfg = cfg.train.ppo
         critic_path = self.cfg.critic_path or policy_path
-        self.critic = CriticEngine(critic_path, cfg.model.dtype, self.cfg.critic_lr, self.cfg.value_clip, ds_config)
+        self.critic = CriticEngine(critic_path, cfg.model.dtype, self.cfg.critic_lr, self.cfg.value_clip, ds_config,
+                                   cfg.learner.gradient_checkpointing)
         spec = parse_reward_models(self.cfg.reward_models)
-        self.reward_models = RewardModels(spec, getattr(torch, cfg.model.dtype)) if spec else None
+        self.reward_models = RewardModels(spec, getattr(torch, cfg.model.dtype), placer) if spec else None
         self.moments = RunningMoments()
 
-    def scores(self, batch: Any) -> Tensor:
-        """[N] raw scores: reward models plus the weighted generator reward."""
-        scores = self.cfg.generator_reward_weight * batch.rewards.float()
-        if self.reward_models is not None:
-            scores = scores + self.reward_models.score(batch.input_ids, batch.attention_mask)
-        return scores
+    def scores(self, batch: Any) -> tuple[Tensor, dict[str, float]]:
+        """[N] raw scores: the weighted reward models plus the weighted generator reward; and, with reward
+        models, both parts side by side (:func:`reward_mix_metrics`)."""
+        task = batch.rewards.float()
+        scores = self.cfg.generator_reward_weight * task
+        if self.reward_models is None:
+            return scores, {}
+        rm = self.reward_models.score(batch.input_ids, batch.attention_mask)
+        return scores + self.cfg.reward_model_weight * rm, reward_mix_metrics(task, rm)
 
     @torch.no_grad()
     def prepare(self, batch: Any, ref_logp_fn: Callable[[], Tensor] | None) -> PPOTargets:
         p = self.cfg
-        raw = self.scores(batch)
+        raw, mix = self.scores(batch)
         scores = raw
         if p.reward_norm:
             self.moments.update(raw)
@@ -170,9 +219,33 @@ class PPOTrainer:
             "ppo/advantage_abs_mean": float(masked_mean(adv.abs(), mask).item()),
             "ppo/old_values_mean": float(masked_mean(values, mask).item()),
             "ppo/returns_mean": float(masked_mean(returns, mask).item()),
+            **mix,
         }
         return PPOTargets(adv, returns, values, metrics)
 
     def train_critic(self, batch: Any, idx: Tensor, targets: PPOTargets) -> dict[str, float]:
         return self.critic.update(batch.input_ids[idx], batch.attention_mask[idx], targets.old_values[idx],
                                   targets.returns[idx], batch.loss_mask[idx])
+
+    def save(self, out_dir: Path, rank: int) -> None:
+        """The critic (DeepSpeed checkpoint: weights and optimizer; collective on every rank) and this rank's
+        reward moments (ranks normalise by the scores they saw) under ``out_dir/critic``."""
+        critic_dir = out_dir / CRITIC_DIR
+        self.critic.engine.save_checkpoint(str(critic_dir), tag="state")
+        critic_dir.mkdir(parents=True, exist_ok=True)
+        (critic_dir / f"moments-rank{rank}.json").write_text(json.dumps(self.moments.state()))
+
+    def load(self, ckpt_dir: Path, rank: int) -> bool:
+        """Restore what :meth:`save` wrote; False (nothing changed) for a checkpoint without a critic (written
+        before checkpoints held it). A rank the checkpoint had no moments file for (more ranks than when it
+        was written) starts from the moments of every saved rank together."""
+        critic_dir = ckpt_dir / CRITIC_DIR
+        if not critic_dir.is_dir():
+            return False
+        path, _ = self.critic.engine.load_checkpoint(str(critic_dir), tag="state")
+        if path is None:
+            raise RuntimeError(f"{critic_dir}: DeepSpeed found no critic state to load")
+        own = critic_dir / f"moments-rank{rank}.json"
+        files = [own] if own.is_file() else sorted(critic_dir.glob("moments-rank*.json"))
+        self.moments = RunningMoments.merged([json.loads(f.read_text()) for f in files])
+        return True

@@ -24,8 +24,6 @@ T = TypeVar("T")
 
 METRICS_FILE = "train_metrics.jsonl"
 """One JSON line per logged step in every output directory (step, loss and the loss's own metrics)."""
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
-                   "merges.txt", "added_tokens.json", "chat_template.jinja", "tokenizer.model")
 
 
 class CliError(Exception):
@@ -81,34 +79,22 @@ def check_model_dir(path: str, flag: str = "--model") -> Path:
 
 
 def load_tokenizer(model_dir: Path) -> Any:
-    """The model directory's tokenizer, a pad token guaranteed (eos when it has none).
+    """The model directory's own tokenizer (``async_rlhf.tokenizer.load_tokenizer``: a pad token guaranteed);
+    one without an eos token is refused (the trainers append one to every completion)."""
+    from async_rlhf.tokenizer import load_tokenizer as load_own
 
-    A directory whose tokenizer_config.json pins ``PreTrainedTokenizerFast`` is loaded as exactly that:
-    ``AutoTokenizer`` would swap in the class of config.json's model type (the tiny model's trap, see
-    async_rlhf.tiny.tokenizer).
-    """
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
-    cfg_file = model_dir / "tokenizer_config.json"
-    meta = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
-    if (model_dir / "tokenizer.json").is_file() and meta.get("tokenizer_class") == "PreTrainedTokenizerFast":
-        return _ensure_pad(PreTrainedTokenizerFast.from_pretrained(str(model_dir)))
-    return _ensure_pad(AutoTokenizer.from_pretrained(str(model_dir)))
-
-
-def _ensure_pad(tok: Any) -> Any:
-    if tok.pad_token_id is None:
-        tok.pad_token = tok.eos_token
+    tok = load_own(model_dir)
     if tok.eos_token_id is None:
         raise CliError("the tokenizer has no eos token; the trainers append one to every completion")
     return tok
 
 
-def copy_tokenizer(src: Path, dst: Path) -> None:
-    """Copy the tokenizer files verbatim, so the output loads exactly as the input did (tiny tokenizer quirks)."""
-    for name in TOKENIZER_FILES:
-        if (src / name).is_file():
-            shutil.copy2(src / name, dst / name)
+def copy_tokenizer(src: Path, dst: Path, generation_config: bool = False) -> None:
+    """Copy the tokenizer files and chat template verbatim (and generation_config.json if asked), so the output
+    loads exactly as the input did."""
+    from async_rlhf.tokenizer import copy_tokenizer_files
+
+    copy_tokenizer_files(src, dst, generation_config)
 
 
 def atomic_output(out: Path, write: Callable[[Path], None], overwrite: bool) -> Path:
@@ -131,9 +117,7 @@ def save_causal_lm(engine: Any, model_dir: Path, out: Path, overwrite: bool, his
     """Save the trained causal LM atomically: weights, the base's tokenizer files and generation config, metrics."""
     def write(tmp: Path) -> None:
         engine.module.save_pretrained(str(tmp))
-        copy_tokenizer(model_dir, tmp)
-        if (model_dir / "generation_config.json").is_file() and not (tmp / "generation_config.json").exists():
-            shutil.copy2(model_dir / "generation_config.json", tmp / "generation_config.json")
+        copy_tokenizer(model_dir, tmp, generation_config=True)
         write_metrics(tmp, history, {**summary, "base": str(model_dir)})
 
     atomic_output(out, write, overwrite)

@@ -77,14 +77,14 @@ def model_rewards(rm_dir: Path, rows: list[dict[str, Any]], completions: list[li
 
 
 def vllm_env(threads: int, kv_cache_gib: int) -> dict[str, str]:
-    """The environment vLLM's CPU engine needs in-process (see async_rlhf.runner._generator_env)."""
+    """The environment vLLM's CPU engine needs in-process (the generators' own, see ``engine_env``)."""
     from async_rlhf.config import Config
-    from async_rlhf.runner import _generator_env
+    from async_rlhf.generator.engine_args import engine_env
 
     cfg = Config()
     cfg.generator.threads = threads
     cfg.generator.kv_cache_gib = kv_cache_gib
-    return _generator_env(cfg)
+    return engine_env(cfg)
 
 
 def generate(model_dir: Path, prompt_ids: list[list[int]], args: argparse.Namespace, tok: Any) -> list[list[Any]]:
@@ -93,10 +93,13 @@ def generate(model_dir: Path, prompt_ids: list[list[int]], args: argparse.Namesp
         os.environ.setdefault(key, value)
     from vllm import LLM, SamplingParams
 
+    from async_rlhf.tokenizer import stop_token_ids
+
     llm = LLM(model=str(model_dir), dtype="float32", enforce_eager=True, seed=args.seed,
               max_model_len=args.max_model_len, gpu_memory_utilization=0.3)
     params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p,
-                            max_tokens=args.max_new_tokens, seed=args.seed)
+                            max_tokens=args.max_new_tokens, seed=args.seed,
+                            stop_token_ids=stop_token_ids(model_dir, tok))  # generation_config.json's eos too
     outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
     return [[(tok.decode(list(c.token_ids), skip_special_tokens=True), len(c.token_ids), c.finish_reason)
              for c in out.outputs] for out in outputs]

@@ -13,20 +13,29 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from async_rlhf.env.base import Prompt
+from async_rlhf.prompts.chat import is_messages, to_messages
 
 
 def to_prompt(item: Any, text_field: str = "prompt") -> Prompt:
-    """A Prompt from a string, a Prompt, or a mapping holding ``text_field`` (other fields become data)."""
+    """A Prompt from a string, a list of chat messages, a Prompt, or a mapping whose ``text_field`` holds a
+    string or chat messages (other fields become data). Chat prompts are rendered later, by the generator
+    (``async_rlhf.prompts.chat``)."""
     if isinstance(item, Prompt):
         return item
     if isinstance(item, str):
         return Prompt(item)
+    if isinstance(item, (list, tuple)):
+        return Prompt("", {}, to_messages(item))
     if isinstance(item, Mapping):
-        if text_field not in item or not isinstance(item[text_field], str):
-            raise ValueError(f"prompt record {dict(item)!r:.120} has no text field {text_field!r}; set "
-                             "prompts.text_field to the field holding the prompt text")
-        return Prompt(item[text_field], {k: v for k, v in item.items() if k != text_field})
-    raise ValueError(f"cannot make a prompt of {type(item).__name__}: give str, dict or Prompt")
+        value = item.get(text_field)
+        data = {k: v for k, v in item.items() if k != text_field}
+        if isinstance(value, str):
+            return Prompt(value, data)
+        if is_messages(value):
+            return Prompt("", data, to_messages(value, f"prompt record field {text_field!r}"))
+        raise ValueError(f"prompt record {dict(item)!r:.120} has no text field {text_field!r} (a string or a list "
+                         "of chat messages); set prompts.text_field to the field holding the prompt")
+    raise ValueError(f"cannot make a prompt of {type(item).__name__}: give str, chat messages, dict or Prompt")
 
 
 class PromptSource(ABC):

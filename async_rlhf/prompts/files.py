@@ -1,4 +1,5 @@
-"""Prompts from a JSONL or Parquet file, read with the ``datasets`` library, reshuffled every epoch."""
+"""Prompts from a JSONL or Parquet file, read with the ``datasets`` library, reshuffled every epoch and dealt to
+the generators in disjoint strides (:func:`epochs`)."""
 
 from __future__ import annotations
 
@@ -24,17 +25,38 @@ def load_records(path: str) -> list[dict[str, Any]]:
     return [dict(r) for r in ds]
 
 
-def epochs(records: list[dict[str, Any]], text_field: str, seed: int) -> Iterator[Prompt]:
+def epochs(records: list[dict[str, Any]], text_field: str, seed: int, lane: int = 0,
+           lanes: int = 1) -> Iterator[Prompt]:
+    """Every record once per epoch, in a new seeded order each epoch, forever.
+
+    With ``lanes`` > 1 the fleet shares one such sequence (same ``seed``) and lane ``i`` yields its global
+    positions ``i, i + lanes, i + 2 * lanes, ...``: the generators draw disjoint strides, so each record is
+    drawn once per epoch across the fleet. A lane is a pure function of its index, so a restarted generator
+    (same index) replays and continues exactly its own stride.
+
+        seq of epochs (seed):  [c a d b] [b d a c] ...      lanes=2:  lane 0 -> c d b a ...
+                                                                      lane 1 -> a b d c ...
+    """
     if not records:
         raise ValueError("the prompt file holds no records")
+    if not 0 <= lane < lanes:
+        raise ValueError(f"lane {lane} of {lanes}: a lane must lie in 0..{lanes - 1}")
     prompts = [to_prompt(r, text_field) for r in records]  # a bad record is refused before training starts
+    n = len(prompts)
     rng = random.Random(seed)
+    order: list[int] = []
+    epoch = -1
+    k = lane
     while True:
-        order = list(range(len(prompts)))
-        rng.shuffle(order)
-        for i in order:
-            yield prompts[i]
+        e, offset = divmod(k, n)
+        while epoch < e:  # every lane draws the same orders from the same seed, epoch by epoch
+            order = list(range(n))
+            rng.shuffle(order)
+            epoch += 1
+        yield prompts[order[offset]]
+        k += lanes
 
 
-def file_prompts(path: str, text_field: str = "prompt", seed: int = 0) -> IterablePrompts:
-    return IterablePrompts(epochs(load_records(path), text_field, seed), text_field)
+def file_prompts(path: str, text_field: str = "prompt", seed: int = 0, lane: int = 0,
+                 lanes: int = 1) -> IterablePrompts:
+    return IterablePrompts(epochs(load_records(path), text_field, seed, lane, lanes), text_field)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import importlib.util
+import inspect
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -20,8 +21,46 @@ from typing import Any
 
 from async_rlhf.env.base import Prompt
 
-RewardFn = Callable[[str, str, dict[str, Any]], float]
-"""fn(prompt_text, completion_text, prompt_data) -> reward."""
+RewardFn = Callable[..., float]
+"""fn(prompt_text, completion_text, prompt_data[, completion_ids=..., finish_reason=..., prompt_ids=...]) -> reward.
+For a chat prompt, prompt_text is the rendered chat template and prompt_data["messages"] the messages."""
+
+EXTRA_ARGS = ("completion_ids", "finish_reason", "prompt_ids")
+"""Keyword arguments a reward function receives when its signature names them (or takes ``**kwargs``)."""
+
+
+class Completion(str):
+    """A completion's decoded text (special tokens such as eos and padding stripped) that also carries what the
+    text cannot show: ``token_ids`` (every token after the prompt, eos included; in a multi-turn episode the
+    observations too) and ``finish_reason`` (``stop``: an eos or stop token ended it; ``length``: it hit
+    ``generator.max_new_tokens`` or the context) and ``prompt_ids`` (the tokens the model was given: a chat
+    prompt after its template). Everywhere else it is a plain ``str``."""
+
+    token_ids: list[int]
+    finish_reason: str
+    prompt_ids: list[int]
+
+    def __new__(cls, text: str, token_ids: Sequence[int] = (), finish_reason: str = "stop",
+                prompt_ids: Sequence[int] = ()) -> Completion:
+        obj = super().__new__(cls, text)
+        obj.token_ids = [int(t) for t in token_ids]
+        obj.finish_reason = str(finish_reason)
+        obj.prompt_ids = [int(t) for t in prompt_ids]
+        return obj
+
+
+def wanted_extras(fn: Callable[..., Any]) -> tuple[str, ...]:
+    """The names of :data:`EXTRA_ARGS` that ``fn`` accepts (all of them with ``**kwargs``): older reward
+    functions, ``fn(prompt, completion, data)``, are called exactly as before."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin or C callable without a signature
+        return ()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return EXTRA_ARGS
+    names = {p.name for p in params if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                                  inspect.Parameter.KEYWORD_ONLY)}
+    return tuple(a for a in EXTRA_ARGS if a in names)
 
 
 class RewardError(RuntimeError):
@@ -69,9 +108,18 @@ class FunctionReward(RewardSource):
         self.fn = fn
         self.name = name
         self.immediate = immediate
+        self.extras = wanted_extras(fn)
+
+    def _call(self, prompt: Prompt, completion: str) -> Any:
+        if not self.extras:
+            return self.fn(prompt.text, completion, dict(prompt.data))
+        known = {"completion_ids": getattr(completion, "token_ids", None),
+                 "finish_reason": getattr(completion, "finish_reason", None),
+                 "prompt_ids": getattr(completion, "prompt_ids", None)}
+        return self.fn(prompt.text, str(completion), dict(prompt.data), **{k: known[k] for k in self.extras})
 
     def score_now(self, prompt: Prompt, completions: Sequence[str]) -> list[float]:
-        values = [self.fn(prompt.text, c, dict(prompt.data)) for c in completions]
+        values = [self._call(prompt, c) for c in completions]
         return check_rewards(values, len(completions), self.name)
 
     async def score(self, prompt: Prompt, completions: Sequence[str]) -> list[float]:

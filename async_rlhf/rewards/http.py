@@ -1,7 +1,10 @@
-"""A remote scorer over HTTP: one POST per prompt group on the generator's event loop (asyncio streams, no
-thread per request), so hundreds of slow requests can be outstanding while the engine keeps stepping.
+"""A remote scorer over HTTP: one POST per prompt group on the generator's event loop (httpx's asyncio
+client: keep-alive connections, chunked or sized answers, no thread per request), so hundreds of slow requests
+can be outstanding while the engine keeps stepping.
 
-Request body (JSON): ``{"prompt": str, "completions": [str, ...], "data": {...}}``;
+Request body (JSON): ``{"prompt": str, "completions": [str, ...], "data": {...}}``, plus ``"completion_ids"``
+(a list of token ids per completion) and ``"finish_reasons"`` (``stop`` or ``length`` per completion) for
+the generator's completions;
 answer: ``{"rewards": [float, ...]}``, one per completion. ``async_rlhf.rewards.scorer_server`` is a
 reference server.
 """
@@ -9,49 +12,71 @@ reference server.
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Sequence
+from typing import Any
 from urllib.parse import urlsplit
 
 from async_rlhf.env.base import Prompt
-from async_rlhf.rewards.base import RewardError, RewardSource, check_rewards
+from async_rlhf.rewards.base import Completion, RewardError, RewardSource, check_rewards
+
+MAX_CONNECTIONS = 256
+"""Open connections per scorer and event loop (requests beyond it queue in the client's pool)."""
 
 
-async def post_json(url: str, payload: object, timeout_s: float) -> object:
-    """POST ``payload`` as JSON with HTTP/1.1 (connection closed after the answer); the decoded JSON answer."""
+def check_url(url: str) -> None:
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise RewardError(f"scorer url {url!r} must be http://host[:port]/path or https://...")
-    port = parts.port or (443 if parts.scheme == "https" else 80)
-    body = json.dumps(payload).encode()
-    path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-    head = (f"POST {path} HTTP/1.1\r\nHost: {parts.netloc}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
 
-    async def exchange() -> bytes:
-        reader, writer = await asyncio.open_connection(parts.hostname, port, ssl=parts.scheme == "https")
+
+class JsonPoster:
+    """POSTs JSON to one URL through an ``httpx.AsyncClient`` of the running event loop (a client cannot move
+    between loops: a new loop, e.g. a new ``asyncio.run``, gets its own)."""
+
+    def __init__(self, url: str, timeout_s: float) -> None:
+        check_url(url)
+        self.url, self.timeout_s = url, timeout_s
+        self._client: Any = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def _client_for_this_loop(self) -> Any:
+        import httpx
+
+        loop = asyncio.get_running_loop()
+        if self._client is None or self._loop is not loop:
+            limits = httpx.Limits(max_connections=MAX_CONNECTIONS, max_keepalive_connections=MAX_CONNECTIONS)
+            self._client, self._loop = httpx.AsyncClient(timeout=self.timeout_s, limits=limits), loop
+        return self._client
+
+    async def post(self, payload: object) -> object:
+        """The decoded JSON answer; any failure is a :class:`RewardError` naming the scorer and the cause."""
+        import httpx
+
         try:
-            writer.write(head + body)
-            await writer.drain()
-            return await reader.read()
-        finally:
-            writer.close()
+            response = await self._client_for_this_loop().post(self.url, json=payload)
+        except httpx.TimeoutException as exc:
+            raise RewardError(f"scorer {self.url} failed: TimeoutError after {self.timeout_s:g} s "
+                              f"({type(exc).__name__}); raise rewards.timeout_s if it is just slow") from None
+        except httpx.HTTPError as exc:
+            raise RewardError(f"scorer {self.url} failed: {type(exc).__name__} {exc}") from None
+        if response.status_code != 200:
+            raise RewardError(f"scorer {self.url} answered HTTP {response.status_code} {response.reason_phrase}")
+        try:
+            return response.json()
+        except ValueError as exc:
+            raise RewardError(f"scorer {self.url} answered something that is not JSON: {exc}") from None
 
-    try:
-        raw = await asyncio.wait_for(exchange(), timeout_s)
-    except (OSError, asyncio.TimeoutError) as exc:
-        raise RewardError(f"scorer {url} failed: {type(exc).__name__} {exc}") from None
-    header, _, content = raw.partition(b"\r\n\r\n")
-    status_line = header.split(b"\r\n", 1)[0].decode(errors="replace")
-    fields = status_line.split(" ", 2)
-    if len(fields) < 2 or fields[1] != "200":
-        raise RewardError(f"scorer {url} answered {status_line!r}")
-    if b"transfer-encoding: chunked" in header.lower():
-        raise RewardError(f"scorer {url} answered with chunked encoding; send a Content-Length")
-    try:
-        return json.loads(content)
-    except json.JSONDecodeError as exc:
-        raise RewardError(f"scorer {url} answered something that is not JSON: {exc}") from None
+
+def request_body(prompt: Prompt, completions: Sequence[str]) -> dict[str, object]:
+    """The JSON request: prompt, completions (text, special tokens stripped) and data; with the generator's
+    completions also ``completion_ids`` and ``finish_reasons`` (one per completion, see ``rewards.base``)."""
+    body: dict[str, object] = {"prompt": prompt.text, "completions": [str(c) for c in completions],
+                               "data": prompt.data}
+    known = [c for c in completions if isinstance(c, Completion)]
+    if known and len(known) == len(completions):
+        body["completion_ids"] = [c.token_ids for c in known]
+        body["finish_reasons"] = [c.finish_reason for c in known]
+    return body
 
 
 class HttpScorer(RewardSource):
@@ -60,10 +85,12 @@ class HttpScorer(RewardSource):
     def __init__(self, url: str, timeout_s: float = 30.0) -> None:
         self.url = url
         self.timeout_s = timeout_s
+        self._poster: JsonPoster | None = None
 
     async def score(self, prompt: Prompt, completions: Sequence[str]) -> list[float]:
-        payload = {"prompt": prompt.text, "completions": list(completions), "data": prompt.data}
-        answer = await post_json(self.url, payload, self.timeout_s)
+        if self._poster is None:  # the URL is checked on first use: a bad one fails the call, not the build
+            self._poster = JsonPoster(self.url, self.timeout_s)
+        answer = await self._poster.post(request_body(prompt, completions))
         if not isinstance(answer, dict) or "rewards" not in answer:
             raise RewardError(f"scorer {self.url} answered {answer!r:.80}; expected {{\"rewards\": [...]}}")
         return check_rewards(answer["rewards"], len(completions), f"scorer {self.url}")

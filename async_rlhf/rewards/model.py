@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import itertools
-import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -24,15 +23,10 @@ from async_rlhf.rewards.base import RewardSource, check_rewards
 
 
 def load_classifier_tokenizer(model_dir: str) -> Any:
-    """The directory's own tokenizer. A tokenizer saved as PreTrainedTokenizerFast is loaded as such:
-    AutoTokenizer would swap in Qwen2's class for a qwen2 config and drop the tiny tokenizer's spaces."""
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    """The directory's own tokenizer (``async_rlhf.tokenizer.load_tokenizer``)."""
+    from async_rlhf.tokenizer import load_tokenizer
 
-    cfg_file = Path(model_dir) / "tokenizer_config.json"
-    cls = json.loads(cfg_file.read_text()).get("tokenizer_class") if cfg_file.is_file() else None
-    if cls == "PreTrainedTokenizerFast" and (Path(model_dir) / "tokenizer.json").is_file():
-        return PreTrainedTokenizerFast.from_pretrained(model_dir)
-    return AutoTokenizer.from_pretrained(model_dir)
+    return load_tokenizer(model_dir)
 
 
 class RewardModelScorer:

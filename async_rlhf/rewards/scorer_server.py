@@ -41,11 +41,19 @@ class ScorerServer:
         self.rng = random.Random(seed)
         self.lock = threading.Lock()
         self.requests = 0
+        self.connections = 0
         self.dropped = 0
         self._closing = threading.Event()
         server = self
 
         class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"  # keep-alive: a client's connection serves request after request
+
+            def setup(self) -> None:
+                super().setup()
+                with server.lock:
+                    server.connections += 1
+
             def do_POST(self) -> None:  # noqa: N802 - http.server's name
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
                 with server.lock:

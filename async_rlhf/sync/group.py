@@ -19,7 +19,6 @@ import atexit
 import ctypes
 import datetime as dt
 import logging
-import socket
 import time
 import weakref
 from collections.abc import Callable
@@ -28,6 +27,8 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from async_rlhf.endpoints import free_port  # noqa: F401  (callers import it from here too)
 
 log = logging.getLogger(__name__)
 
@@ -42,12 +43,6 @@ class SyncTimeout(SyncError):
 
 class Aborted(SyncError):
     """The other side gave up on this push (an abort or failure key appeared)."""
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def seconds(s: float) -> dt.timedelta:
@@ -85,16 +80,15 @@ def store_wait(store: dist.Store, keys: list[str], deadline: float, what: str) -
         raise SyncTimeout(f"timed out waiting for {what}") from exc
 
 
-def build_pg(store: dist.Store, rank: int, world: int, backend: str, timeout_s: float) -> dist.ProcessGroup:
-    """A process group on ``store`` (already prefixed per epoch); its rendezvous is bounded by ``timeout_s``."""
-    timeout = seconds(timeout_s)
-    if backend == "gloo":
-        return dist.ProcessGroupGloo(store, rank, world, timeout)
-    if backend == "nccl":
-        opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = timeout
-        return dist.ProcessGroupNCCL(store, rank, world, opts)
-    raise ValueError(f"sync.backend={backend!r}: use gloo (CPU) or nccl (GPU)")
+def push_timeout_s(base_s: float, nbytes: float, receivers: int, min_gbps: float) -> float:
+    """How long one push may take: ``base_s`` (handshakes, a slow peer) plus sending ``nbytes`` to each of
+    ``receivers`` at ``min_gbps`` GB/s, as a root that sends every receiver its own copy would (gloo's broadcast;
+    NCCL's pipelined ring is faster, so this bounds it too). ``min_gbps`` 0: ``base_s`` alone."""
+    if min_gbps < 0 or base_s < 0 or nbytes < 0:
+        raise ValueError("push_timeout_s takes no negative time, size or rate")
+    if min_gbps == 0:
+        return base_s
+    return base_s + nbytes * max(receivers, 1) / (min_gbps * 1e9)
 
 
 _RETIRED: list[tuple[dist.ProcessGroup, list[dist.Work]]] = []

@@ -159,6 +159,19 @@ def decode_join(raw: bytes | str) -> Member:
     return Member(data["id"], data["nonce"])
 
 
+def tp_member_id(base: str, rank: int, tensor_parallel: int) -> str:
+    """The push-group member id of TP worker ``rank`` of generator ``base``: every worker holds a shard and
+    receives the whole version itself (vLLM's weight loaders take its shard), so each is a member."""
+    if not 0 <= rank < tensor_parallel:
+        raise ValueError(f"worker rank {rank} outside tensor_parallel={tensor_parallel}")
+    return base if tensor_parallel == 1 else f"{base}.tp{rank}"
+
+
+def tp_member_ids(base: str, tensor_parallel: int) -> list[str]:
+    """Every member id of one generator (one per TP worker)."""
+    return [tp_member_id(base, r, tensor_parallel) for r in range(tensor_parallel)]
+
+
 MAX_CHUNKS = 1 << 16
 """At most this many broadcasts per push (a header cutting finer is malformed: every broadcast costs a few
 hundred microseconds, and the receiver posts one receive per chunk)."""

@@ -53,19 +53,16 @@ from async_rlhf.sync.group import (
     Aborted,
     SyncError,
     SyncTimeout,
-    build_pg,
     connect_store,
-    int64s,
     last_first,
     left,
-    post_broadcast,
-    retire,
+    push_timeout_s,
     store_wait,
     track,
-    wait_work,
 )
 from async_rlhf.sync.layout import Bucket
 from async_rlhf.sync.tensors import arena_offsets, check_cut, layout_digest, named_views
+from async_rlhf.sync.transport import Transport, make_transport
 
 log = logging.getLogger(__name__)
 
@@ -110,12 +107,17 @@ class Receiver:
     """A generator's end of the push group. :meth:`fetch` (and :meth:`prepost`) run on one thread, and
     :meth:`apply` may run on another (the engine loop); the slots between them are guarded by a condition."""
 
-    def __init__(self, buckets: list[Bucket], member_id: str, host: str, port: int, backend: str = "gloo",
-                 timeout_s: float = 120.0, slice_s: float = 0.2, buffers: int = 1) -> None:
+    def __init__(self, buckets: list[Bucket], member_id: str, host: str, port: int, backend: str | Transport = "gloo",
+                 timeout_s: float = 120.0, slice_s: float = 0.2, buffers: int = 1, min_gbps: float = 0.0) -> None:
         """``buffers``: receive slots (2: the next version arrives while the last one waits to be applied,
-        at the cost of a second copy of the weights here)."""
+        at the cost of a second copy of the weights here). ``backend``: ``sync.backend`` or a
+        :class:`Transport`; the receive slots live on its device. ``min_gbps``: once a push starts, its transfer
+        may take ``timeout_s`` plus the arena to every member at this rate (as the sender's deadline)."""
         if buffers not in (1, 2):
             raise ValueError(f"buffers must be 1 or 2, got {buffers}")
+        # a version waits here in host memory (NCCL: streamed through a bounded CUDA buffer, see transport.py)
+        self.transport = backend if isinstance(backend, Transport) else make_transport(backend, host_arena=True)
+        backend = self.transport.name
         self.buffers = buffers
         self._slots = threading.Condition()
         self._staged_slot: int | None = None  # the newest version received and not yet taken by apply
@@ -124,7 +126,8 @@ class Receiver:
         """Versions received and never applied because a newer one arrived first."""
         self.me = P.Member(member_id, "")
         P.decode_join(P.encode_join(self.me))  # validates the id (join() draws the nonce)
-        self.backend, self.timeout_s, self.slice_s = backend, timeout_s, slice_s
+        self.backend, self.timeout_s, self.slice_s, self.min_gbps = backend, timeout_s, slice_s, min_gbps
+        self._world = 2  # members of the current epoch plus the sender (for the transfer's deadline)
         self.store = connect_store(host, port, timeout_s)
         self.epoch: int | None = None
         self.version: int | None = None
@@ -169,7 +172,7 @@ class Receiver:
         into slot 0)."""
         raw = self._arenas[slot]
         if raw is None:
-            raw = self._arenas[slot] = torch.empty(self._arena_bytes, dtype=torch.uint8)
+            raw = self._arenas[slot] = self.transport.empty(self._arena_bytes)
             self._views[slot] = [named_views(raw[off:off + b.nbytes], b) for off, b in zip(self._offsets, self.buckets)]
         return raw
 
@@ -219,17 +222,18 @@ class Receiver:
     def _enter(self, epoch: int, deadline: float) -> None:
         store_wait(self.store, [P.members_key(epoch)], deadline, f"the member list of epoch {epoch}")
         members = P.decode_members(self.store.get(P.members_key(epoch)))
-        retire(self._pg, self._works)
+        self.transport.retire(self._pg, self._works)
         self._pg, self._works, self.epoch, self._k, self._posted = None, [], None, 0, None
         if self.me not in members:
             raise Excluded(f"member {self.me.id} was dropped from the push group at epoch {epoch}; "
                            "join again to come back")
         self.epoch = epoch
         rank = members.index(self.me) + 1
+        self._world = len(members) + 1
         self.store.set(P.ready_key(epoch, self.me.id), self.me.nonce)
         store_wait(self.store, [P.go_key(epoch)], deadline, f"the sender to open epoch {epoch}")
-        self._pg = build_pg(dist.PrefixStore(P.pg_prefix(epoch), self.store), rank, len(members) + 1,
-                            self.backend, self.timeout_s)
+        self._pg = self.transport.open(dist.PrefixStore(P.pg_prefix(epoch), self.store), rank, len(members) + 1,
+                                       self.timeout_s, ["the sender", *(m.id for m in members)])
         log.info("member %s entered push group epoch %d as rank %d of %d", self.me.id, epoch, rank,
                  len(members) + 1)
 
@@ -265,6 +269,9 @@ class Receiver:
                 break
             self._enter(header.next_epoch, deadline)
         t_header = time.perf_counter()
+        if self.min_gbps:  # a multi-GB push to many members: its transfer gets the sender's allowance
+            deadline = max(deadline, time.monotonic() + push_timeout_s(
+                self.timeout_s, self._arena_bytes, self._world - 1, self.min_gbps))
         preposted, acked_foreign = header is None, False
         version = -1 if header is None else header.version
         try:
@@ -332,7 +339,7 @@ class Receiver:
 
     def _post(self, chunks: list[tuple[int, int]], arena: torch.Tensor) -> list[dist.Work]:
         """Post the receives of every chunk of one push into the buffer, on the group."""
-        works = [post_broadcast(self._pg, arena[start:end]) for start, end in chunks]
+        works = [self.transport.broadcast(self._pg, arena[start:end]) for start, end in chunks]
         self._works = works
         return works
 
@@ -368,8 +375,8 @@ class Receiver:
             return None
 
         try:
-            wait_work(self._posted[2][0], deadline, f"push {k} of epoch {e} (is the sender pushing?)", next_epoch,
-                      IDLE_SLICE_S)
+            self.transport.wait(self._posted[2][0], deadline, f"push {k} of epoch {e} (is the sender pushing?)",
+                                next_epoch, IDLE_SLICE_S)
             return None
         except SyncTimeout:
             raise  # no push in time: the receives stay posted for the next fetch
@@ -399,7 +406,7 @@ class Receiver:
         """Leave the current group; with ``join_again``, ask to join as a new incarnation right away (the
         next :meth:`fetch` waits for the admission)."""
         self._posted, self._expect = None, None
-        retire(self._pg, self._works)
+        self.transport.retire(self._pg, self._works)
         self._pg, self._works, self.epoch = None, [], None
         if join_again:
             self._ask_to_join()
@@ -471,18 +478,18 @@ class Receiver:
         abort = self._abort(e, k)
         what = f"version {version}" if version >= 0 else f"push {k} of epoch {e}"
         for c in last_first(len(works)):
-            wait_work(works[c], deadline, f"chunk {c} of {what}", abort, self.slice_s)
+            self.transport.wait(works[c], deadline, f"chunk {c} of {what}", abort, self.slice_s)
         # the acknowledgement (see Sender.push). The collective needs every member, so if it fails, another
         # one did (this one's bytes are all here): a victim's report
-        ack = int64s([0])
-        self._works.append(self._pg.allreduce([ack]))
+        ack = self.transport.int64s([0])
+        self._works.append(self.transport.allreduce(self._pg, ack))
         try:
-            wait_work(self._works[-1], deadline, f"the acknowledgement of {what}", abort, self.slice_s)
+            self.transport.wait(self._works[-1], deadline, f"the acknowledgement of {what}", abort, self.slice_s)
         except Aborted:
             raise
         except SyncError as exc:
             raise Aborted(f"the acknowledgement of {what} aborted: another member failed ({exc})") from exc
-        return int(ack[0])
+        return self.transport.read_int(ack)
 
     def _report(self, e: int, k: int, exc: Exception) -> None:
         victim = _caused_by(exc, Aborted)  # load() (vLLM) may wrap what our iterator raised
@@ -499,10 +506,10 @@ class Receiver:
         # a group with ops still pending must not be destroyed here (that blocks until they time out): retire
         # keeps it until they end (or for good, at exit)
         with contextlib.suppress(Exception):
-            retire(self._pg, self._works)
+            self.transport.retire(self._pg, self._works)
 
     def close(self) -> None:
-        retire(self._pg, self._works)
+        self.transport.retire(self._pg, self._works)
         self._pg = None
 
 

@@ -34,6 +34,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -42,17 +43,13 @@ from async_rlhf.sync import protocol as P
 from async_rlhf.sync.group import (
     SyncError,
     SyncTimeout,
-    build_pg,
     connect_store,
     host_store,
-    int64s,
     last_first,
     left,
-    post_broadcast,
-    retire,
+    push_timeout_s,
     store_wait,
     track,
-    wait_work,
 )
 from async_rlhf.sync.layout import Bucket, auto_chunk_bytes, chunk_ranges
 from async_rlhf.sync.tensors import (
@@ -64,6 +61,7 @@ from async_rlhf.sync.tensors import (
     in_place_chunk,
     layout_digest,
 )
+from async_rlhf.sync.transport import Transport, make_transport
 
 __all__ = ["PushError", "Sender", "TORCH_DTYPES", "dtype_name"]
 
@@ -83,6 +81,14 @@ def _picker(indices: list[int]) -> Callable[[list[torch.Tensor]], list[torch.Ten
         return lambda tensors: [tensors[i] for i in indices]
     get = operator.itemgetter(*indices)
     return lambda tensors: list(get(tensors))
+
+
+class Streamed(Protocol):
+    """Parameters full only a window at a time (ZeRO-3, learner/zero3.py); ``cut``: the push's broadcasts."""
+
+    cut: list[tuple[int, int]]
+
+    def before_chunk(self, c: int) -> None: ...
 
 
 class PushError(SyncError):
@@ -124,18 +130,22 @@ def _watch_joins(store: dist.TCPStore, seen: threading.Event, stop: threading.Ev
 class Sender:
     """Learner rank 0's end of the push group. Not thread-safe: call from one thread."""
 
-    def __init__(self, buckets: list[Bucket], host: str = "127.0.0.1", port: int = 0, backend: str = "gloo",
+    def __init__(self, buckets: list[Bucket], host: str = "127.0.0.1", port: int = 0, backend: str | Transport = "gloo",
                  timeout_s: float = 120.0, pipeline_depth: int = 2, slice_s: float = 0.2,
-                 chunk_bytes: int | None = None, own_bytes: int = OWN_BYTES) -> None:
+                 chunk_bytes: int | None = None, own_bytes: int = OWN_BYTES, min_gbps: float = 0.0) -> None:
         """``chunk_bytes``: size of one broadcast. By default a push whose bytes all lie in parameter memory
         (parameters kept flat) is one broadcast, as a raw one; otherwise :func:`auto_chunk_bytes` (packing
         one chunk overlaps the transfer of the one before), and a tensor of ``own_bytes`` or more is a
         broadcast of its own, sent from its storage (see :func:`cut_arena`). Members learn the cut from the
-        push header."""
+        push header. ``backend``: ``sync.backend`` or a :class:`Transport`; parameters on another device than
+        the transport's are staged through its packing slots (bounded: ``pipeline_depth`` chunks). ``min_gbps``:
+        each push may take ``timeout_s`` plus its bytes to every member at this rate (:func:`push_timeout_s`)."""
         if pipeline_depth < 1:
             raise ValueError("pipeline_depth must be at least 1")
+        self.transport = backend if isinstance(backend, Transport) else make_transport(backend)
+        backend = self.transport.name
         self.backend, self.timeout_s, self.depth, self.slice_s = backend, timeout_s, pipeline_depth, slice_s
-        self.chunk_bytes, self.own_bytes = chunk_bytes, own_bytes
+        self.chunk_bytes, self.own_bytes, self.min_gbps = chunk_bytes, own_bytes, min_gbps
         self.store = host_store(host, port, timeout_s)
         self.host, self.port = host, self.store.port
         self.epoch = -1
@@ -231,7 +241,7 @@ class Sender:
             self.store.set(P.header_key(old_epoch, self._k), P.Header(next_epoch=e).encode())
         for j in joiners:
             self.store.set(P.admit_key(j), P.encode({"epoch": e}))
-        retire(self._pg, self._works)
+        self.transport.retire(self._pg, self._works)
         gone = [m.id for m in self._members if m not in members]
         self._pg, self._works, self._dropped = None, [], set()
         self.epoch, self._k, self._members, self._broken = e, 0, members, True
@@ -248,10 +258,11 @@ class Sender:
             raise PushError(version, e, missing, {}, "did not enter the rebuilt group in time") from exc
         self.store.set(P.go_key(e), "1")
         try:
-            self._pg = build_pg(dist.PrefixStore(P.pg_prefix(e), self.store), 0, len(members) + 1,
-                                self.backend, self.timeout_s)
-        except Exception as exc:
-            raise PushError(version, e, [], {}, f"rendezvous of epoch {e} failed: {exc}") from exc
+            self._pg = self.transport.open(dist.PrefixStore(P.pg_prefix(e), self.store), 0, len(members) + 1,
+                                           self.timeout_s, ["the sender", *(m.id for m in members)])
+        except Exception as exc:  # a bounded rendezvous names the ranks that never came
+            missing = [members[r - 1].id for r in getattr(exc, "ranks", ()) if r > 0]
+            raise PushError(version, e, missing, {}, f"rendezvous of epoch {e} failed: {exc}") from exc
         self._broken = False
 
     # -- data path ----------------------------------------------------------------------------------
@@ -296,7 +307,7 @@ class Sender:
     def _slot(self, slot: int) -> torch.Tensor:
         """Packing slot bytes (allocated on first use, reused by every push)."""
         while len(self._slots) <= slot:
-            self._slots.append(torch.empty(self._slot_bytes, dtype=torch.uint8))
+            self._slots.append(self.transport.empty(self._slot_bytes))
         return self._slots[slot]
 
     def _destinations(self, c: int) -> list[torch.Tensor]:
@@ -319,10 +330,7 @@ class Sender:
         checks are C-level loops, and where every chunk lies in parameter memory (parameters kept flat) the
         chunks' views are kept and reused while the tensors stay where they were (their addresses are compared;
         the views keep that storage alive, so an address cannot be reused by another one meanwhile)."""
-        try:
-            tensors = list(map(params.__getitem__, self._names))
-        except KeyError as exc:
-            raise ValueError(f"parameter {exc} of the push layout is missing: rebuild the layout") from None
+        tensors = self._tensors(params)
         if list(map(_SHAPE_DTYPE, tensors)) != self._shapes:
             for name, (shape, dtype), t in zip(self._names, self._shapes, tensors):
                 if t.shape != shape or t.dtype != dtype:
@@ -335,30 +343,55 @@ class Sender:
         before = self.chunks
         whole = None
         if self.chunk_bytes is None and self._whole:  # the whole arena where it lies: one broadcast, as raw
-            whole = in_place_chunk(self._whole, [tensors[p.index] for p in self._whole], self._total)
+            whole = self._on_device(in_place_chunk(self._whole, [tensors[p.index] for p in self._whole], self._total))
         if whole is not None:
             self._cut([(0, self._total)])
             sources: list[torch.Tensor | None] = [whole]
         else:  # large tensors from their storage, runs of small ones packed (see cut_arena)
             self._cut(self._packed_cut)
-            sources = [in_place_chunk(pieces, pick(tensors), end - start)
+            sources = [self._on_device(in_place_chunk(pieces, pick(tensors), end - start))
                        for pieces, pick, (start, end) in zip(self._pieces, self._pick, self.chunks)]
         if self.chunks != before and self._k > 0:  # members pre-posted for the old cut: a new epoch
             self._broken = True
         self._flat = (ptrs, sources) if all(src is not None for src in sources) else None
         return tensors, sources
 
+    def _on_device(self, chunk: torch.Tensor | None) -> torch.Tensor | None:
+        """A chunk sent from parameter memory only if the transport takes it there (else None: packed into a
+        slot on the transport's device, e.g. parameters on CPU under NCCL)."""
+        return chunk if chunk is not None and self.transport.accepts(chunk) else None
+
+    def _tensors(self, params: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
+        try:
+            return list(map(params.__getitem__, self._names))
+        except KeyError as exc:
+            raise ValueError(f"parameter {exc} of the push layout is missing: rebuild the layout") from None
+
+    def _streamed(self, params: Mapping[str, torch.Tensor], stream: Streamed) -> tuple[list[torch.Tensor], list[None]]:
+        """ZeRO-3: the tensors are full one window at a time, during the push (``stream.before_chunk(c)`` gathers
+        chunk c's, see learner/zero3.py): every chunk is packed, on the stream's cut."""
+        tensors = self._tensors(params)
+        before, self._flat = self.chunks, None
+        self._cut(list(stream.cut))
+        if self.chunks != before and self._k > 0:  # members pre-posted for the old cut: a new epoch
+            self._broken = True
+        return tensors, [None] * len(self.chunks)
+
     @torch.no_grad()
-    def push(self, params: Mapping[str, torch.Tensor], version: int) -> dict[str, float]:
+    def push(self, params: Mapping[str, torch.Tensor], version: int,
+             stream: Streamed | None = None) -> dict[str, float]:
         """Send ``version`` to every member; returns once all acknowledged it: each holds it whole and
-        swaps it in at its next step boundary (:meth:`live_times` tells when it did).
+        swaps it in at its next step boundary (:meth:`live_times` tells when it did). ``stream``: the
+        parameters are gathered window by window as the chunks are packed (ZeRO-3).
 
         Raises :class:`PushError` naming the members that failed, within ``timeout_s``; the next push
         then opens a new epoch (call :meth:`drop` first to leave the failed members out).
         """
         t0 = time.perf_counter()
-        deadline = time.monotonic() + self.timeout_s
-        tensors, sources = self._sources(params)  # a layout mismatch raises here, before anything is announced
+        receivers = len(self._members) + len(self._queued)
+        deadline = time.monotonic() + push_timeout_s(self.timeout_s, self._nbytes, receivers, self.min_gbps)
+        # a layout mismatch raises here, before anything is announced
+        tensors, sources = self._sources(params) if stream is None else self._streamed(params, stream)
         dead, self._reported_dead = self._reported_dead, frozenset()
         self.drop(list(dead))
         if self._joins_seen.is_set():
@@ -399,21 +432,23 @@ class Sender:
             for c, (start, end) in enumerate(self.chunks):
                 data = sources[c]  # already where the chunk puts it: sent as is
                 if data is None:
+                    if stream is not None:
+                        stream.before_chunk(c)
                     srcs = self._pick[c](tensors)
                     for i, p in self._parts[c]:
                         srcs[i] = srcs[i].detach().reshape(-1)[p.start:p.stop]
                     slot = c % self.depth
                     if slot in slot_work:  # the slot's previous chunk must be on the wire first
-                        wait_work(slot_work.pop(slot), deadline, f"broadcast of version {version}", abort,
-                                  self.slice_s)
+                        self.transport.wait(slot_work.pop(slot), deadline, f"broadcast of version {version}",
+                                            abort, self.slice_s)
                     tp = time.perf_counter()
                     torch._foreach_copy_(self._destinations(c), srcs)
                     pack_s += time.perf_counter() - tp
                     data = self._slot(slot)[:end - start]
-                    works.append(post_broadcast(self._pg, data))
+                    works.append(self.transport.broadcast(self._pg, data))
                     slot_work[slot] = works[-1]
                 else:
-                    works.append(post_broadcast(self._pg, data))
+                    works.append(self.transport.broadcast(self._pg, data))
                 if not announced:  # its store round trip overlaps the first chunk
                     announce()
                     announced = True
@@ -421,7 +456,8 @@ class Sender:
                 announce()
                 announced = True
             for c in last_first(len(works)):
-                wait_work(works[c], deadline, f"broadcast of chunk {c} of version {version}", abort, self.slice_s)
+                self.transport.wait(works[c], deadline, f"broadcast of chunk {c} of version {version}", abort,
+                                    self.slice_s)
             t_sent = time.perf_counter()
             # the acknowledgement: a one-element allreduce on the group, in which every member, once it holds
             # every chunk, brings 0 and the sender the version (members pre-posted for this push learn from it
@@ -429,11 +465,12 @@ class Sender:
             # member that failed reports through the store. One element: gloo takes a slower path for more
             # (measured: +0.25 ms). Posted only once the broadcasts are out: posted right behind them it
             # shares the group's worker threads with the transfer (measured: 2.4 ms instead of 1.5 for 2 MB)
-            ack = int64s([version])
-            works.append(self._pg.allreduce([ack]))
-            wait_work(works[-1], deadline, f"acknowledgements of version {version}", abort, self.slice_s)
-            if int(ack[0]) != version:
-                raise SyncError(f"the acknowledgement of version {version} came back as {int(ack[0])}")
+            ack = self.transport.int64s([version])
+            works.append(self.transport.allreduce(self._pg, ack))
+            self.transport.wait(works[-1], deadline, f"acknowledgements of version {version}", abort, self.slice_s)
+            acked = self.transport.read_int(ack)
+            if acked != version:
+                raise SyncError(f"the acknowledgement of version {version} came back as {acked}")
         except SyncError as exc:
             if not announced:
                 announce()
@@ -507,9 +544,9 @@ class Sender:
         # a group with ops still pending must not be destroyed here (that blocks until they time out): retire
         # keeps it until they end (or for good, at exit)
         with contextlib.suppress(Exception):
-            retire(self._pg, self._works)
+            self.transport.retire(self._pg, self._works)
 
     def close(self) -> None:
         self._watcher_stop.set()
-        retire(self._pg, self._works)
+        self.transport.retire(self._pg, self._works)
         self._pg = None

@@ -3,6 +3,7 @@
     python -m async_rlhf.tiny build --out DIR [--seed N]
     python -m async_rlhf.tiny sft --base DIR --out DIR --steps N [--digits D] [--forget-carry P] [--seed N]
     python -m async_rlhf.tiny prepare --cache DIR [--digits D] [--sft-steps N] [--seed N]
+    python -m async_rlhf.tiny llama-bpe --cache DIR      (the Llama + byte-level BPE chat model of the tests)
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     p_prep.add_argument("--heldout-size", type=int, default=defaults.heldout_size)
     p_prep.add_argument("--sft-steps", type=int, default=defaults.sft_steps)
     p_prep.add_argument("--seed", type=int, default=0)
+    p_llama = sub.add_parser("llama-bpe", help="build the Llama/BPE chat model into a cache dir (once); print path")
+    p_llama.add_argument("--cache", type=Path, required=True)
     args = parser.parse_args(argv)
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
@@ -51,6 +54,10 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.cmd == "build":
         print(build_tiny_model(args.out, seed=args.seed))
+    elif args.cmd == "llama-bpe":
+        from async_rlhf.tiny.llama_bpe import prepare_llama_bpe
+
+        print(prepare_llama_bpe(args.cache))
     elif args.cmd == "sft":
         task = AdditionTask(digits=args.digits, heldout_size=args.heldout_size)  # canonical held-out split
         options = (("batch_size", args.batch_size), ("lr", args.lr), ("forget_carry", args.forget_carry))

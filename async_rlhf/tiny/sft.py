@@ -187,11 +187,12 @@ def generate_batch(
     prompt_ids: Sequence[Sequence[int]],
     max_new_tokens: int,
     pad_id: int,
-    eos_id: int,
+    eos_id: int | Sequence[int],
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
 ) -> list[list[int]]:
-    """Left-padded batched decoding (greedy when ``temperature`` is 0); each output stops after its eos.
+    """Left-padded batched decoding (greedy when ``temperature`` is 0); each output stops after its eos
+    (``eos_id``: one id, or every stop token of the model's generation config).
 
     Positions count from 0 at each row's first real token, exactly as for an unpadded prompt (and in vLLM).
     No KV cache: prompts and completions are a dozen tokens, so recomputing is cheap and simple.
@@ -207,7 +208,10 @@ def generate_batch(
             raise ValueError("empty prompt")
         ids[i, width - len(p) :] = torch.tensor(list(p), dtype=torch.long)
         attn[i, width - len(p) :] = 1
-    done = torch.zeros(n, dtype=torch.bool)
+    device = next(model.parameters(), torch.empty(0)).device  # the driver may evaluate on a GPU (learner/device.py)
+    ids, attn = ids.to(device), attn.to(device)
+    done = torch.zeros(n, dtype=torch.bool, device=device)
+    stops = torch.tensor([eos_id] if isinstance(eos_id, int) else list(eos_id), dtype=torch.long, device=device)
     out: list[list[int]] = [[] for _ in range(n)]
     for _ in range(max_new_tokens):
         pos = (attn.cumsum(-1) - 1).clamp(min=0)
@@ -217,13 +221,14 @@ def generate_batch(
             nxt = torch.multinomial(probs, 1, generator=generator).squeeze(1)
         else:
             nxt = logits.argmax(-1)
+        picked = nxt.tolist()
         for i in torch.nonzero(~done).flatten().tolist():
-            out[i].append(int(nxt[i]))
-        done |= nxt == eos_id
+            out[i].append(int(picked[i]))
+        done |= torch.isin(nxt, stops)
         if bool(done.all()):
             break
         ids = torch.cat([ids, nxt.unsqueeze(1)], dim=1)
-        attn = torch.cat([attn, torch.ones((n, 1), dtype=torch.long)], dim=1)
+        attn = torch.cat([attn, torch.ones((n, 1), dtype=torch.long, device=device)], dim=1)
     return out
 
 

@@ -8,31 +8,14 @@ compared with the learner's parameters."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from test_weight_push_preposted import HOST, Member, start, wait_until
 
-from async_rlhf.learner.actor import full_params, push_layout
+from async_rlhf.learner.push import full_params, push_layout
 from async_rlhf.sync.sender import Sender
 
-pytestmark = pytest.mark.distributed
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_rank_group_for_this_module_only():
-    """DeepSpeed needs a default process group; this module's goes away with it, and so do the RANK,
-    MASTER_PORT... variables it sets, which a process the suite starts later would inherit (its own
-    group would then try to listen on this one's port)."""
-    import torch.distributed as dist
-
-    saved = dict(os.environ)
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    os.environ.clear()
-    os.environ.update(saved)
+pytestmark = [pytest.mark.distributed, pytest.mark.usefixtures("module_process_group")]
 
 
 def tiny_engine(zero_stage: int, dtype: str):

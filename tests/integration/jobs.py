@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from async_rlhf.checkpoint import STAGING, checkpoints_dir, list_checkpoints, read_manifest
+from async_rlhf.driver.checkpoints import STAGING, checkpoints_dir, list_checkpoints, read_manifest
 from async_rlhf.generator.stream import key_of_group
 
 ROOT = Path(__file__).resolve().parents[2]

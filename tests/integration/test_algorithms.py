@@ -38,7 +38,8 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 
 def _run(algorithm: str, models: dict[str, str], extra: list[str]) -> dict[str, Any]:
-    from async_rlhf.runner import Cluster, train
+    from async_rlhf.driver.cluster import Cluster
+    from async_rlhf.driver.runner import train
 
     run_dir = Path(models["root"]) / algorithm
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -95,6 +96,17 @@ def test_ppo_critic_values_move_toward_returns(runs: dict[str, dict[str, Any]]) 
     assert "critic/value_loss" in records[-1] and "critic/clip_frac" in records[-1]
     assert all(r["ppo/score_raw_mean"] == r["ppo/score_raw_mean"] for r in records)  # no nan from the RM
     assert any(r["ppo/kl_behav_ref"] != 0.0 for r in records[1:])  # the reference is loaded and used
+
+
+def test_ppo_logs_the_task_reward_beside_the_reward_model_score(runs: dict[str, dict[str, Any]]) -> None:
+    """Both rewards of the same samples are in every record, and the score PPO optimised is their mix
+    (generator_reward_weight=1 times the task reward plus reward_model_weight=1 times the RM's score)."""
+    for r in runs["ppo"]["records"]:
+        assert r["rollout/task_reward_mean"] == pytest.approx(r["rollout/reward_mean"])
+        assert r["ppo/score_raw_mean"] == pytest.approx(r["rollout/task_reward_mean"] + r["rollout/rm_score_mean"],
+                                                        abs=1e-4)
+        assert -1.0 - 1e-6 <= r["ppo/rm_task_corr"] <= 1.0 + 1e-6
+    assert any(r["ppo/rm_score_std"] > 0 for r in runs["ppo"]["records"])
 
 
 def test_online_dpo_margin_grows(runs: dict[str, dict[str, Any]]) -> None:

@@ -22,7 +22,8 @@ MAX_STALENESS = 1
 def finished_run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     import ray
 
-    from async_rlhf.runner import Cluster, train
+    from async_rlhf.driver.cluster import Cluster
+    from async_rlhf.driver.runner import train
 
     run_dir = tmp_path_factory.mktemp("run")
     cfg = load_config(None, [
@@ -33,7 +34,7 @@ def finished_run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory)
     cluster = Cluster(cfg, str(tiny_model_dir))
     try:
         figures = train(cfg, cluster, run_dir)
-        policy = ray.get(cluster.learners[0].save_hf.remote(str(run_dir / "policy")))
+        policy = cluster.save_policy(run_dir / "policy")
         gen_ledgers = ray.get([g.ledger.remote() for g in cluster.generators])
         buffer = ray.get(cluster.buffer.stats.remote(True))
         # fixed sequences, scored by the generators' engines after the last push (loops are stopped)

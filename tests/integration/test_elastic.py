@@ -79,7 +79,8 @@ def scenario(box: dict[str, Any], cluster: Any, log: list[tuple[str, int, float]
 def elastic_run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     import ray
 
-    from async_rlhf.runner import Cluster, train
+    from async_rlhf.driver.cluster import Cluster
+    from async_rlhf.driver.runner import train
 
     run_dir = tmp_path_factory.mktemp("elastic")
     cfg = load_config(None, [

@@ -57,7 +57,8 @@ def reward_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def run_cluster(cfg: Any, model_dir: Path, run_dir: Path, during: Any = None, settle_s: float = 0.0) -> dict:
     import ray
 
-    from async_rlhf.runner import Cluster, train
+    from async_rlhf.driver.cluster import Cluster
+    from async_rlhf.driver.runner import train
 
     cluster = Cluster(cfg, str(model_dir))
     try:
@@ -127,6 +128,9 @@ def streamed_run(ray_session: None, tiny_model_dir: Path, tmp_path_factory: pyte
                              f"prompts.redis_url={redis_server.url}", f"prompts.stream={stream}",
                              "rewards.sources=http", f"rewards.http_url={scorer.url}",
                              "rewards.timeout_s=2.5", "buffer.reward_deadline_s=1.5", "train.max_staleness=8",
+                             # the scorer is unreliable on purpose; under a loaded machine it can miss more than
+                             # rewards.max_consecutive_failures deadlines in a row, which would stop the run
+                             "rewards.max_consecutive_failures=0",
                              # every prompt counts here (46 for 16 trained groups, some lost to the silent
                              # scorer): uniform groups are trained, not dropped and replaced by new prompts
                              "train.drop_zero_advantage=off",

@@ -1,5 +1,5 @@
 """Roles that fail for good stop the run with one error line instead of a run that never ends: a reward source
-that always fails, a killed buffer (memory store)."""
+that always fails, a killed buffer (memory store), a learner that never gets data (the stall watchdog)."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def test_a_killed_buffer_stops_the_run_with_one_error_line(tmp_path: Path, tiny_
     import os
     import signal
 
-    from async_rlhf.control import send_control
+    from async_rlhf.driver.fleet import send_control
 
     run_dir = tmp_path / "run"
     job = start_job(tmp_path, "job.log", job_args(tiny_model_dir, run_dir, 20))
@@ -65,3 +65,34 @@ def test_a_killed_buffer_stops_the_run_with_one_error_line(tmp_path: Path, tiny_
     assert "the buffer actor died" in errors[0] and "lost" in errors[0], errors[0]
     assert "resume with --resume" in errors[0] or "no checkpoint" in errors[0], errors[0]
     print(f"stopped {took:.0f} s after the kill: {errors[0]}")
+
+
+def test_a_learner_that_never_gets_data_is_stopped_by_the_watchdog(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """The prompt source yields nothing (an exhausted stream): generators start no group, the learner waits for
+    data; no step for run.stall_timeout_s prints what every role does and stops the run with the cause."""
+    empty = tmp_path / "no_prompts.py"
+    empty.write_text("def prompts():\n    return []\n")
+    stall_s = 20
+    args = job_args(tiny_model_dir, tmp_path / "run", 0, "prompts.source=python", f"prompts.path={empty}:prompts",
+                    f"run.stall_timeout_s={stall_s}")
+    t0 = time.monotonic()
+    job = start_job(tmp_path, "job.log", args)
+    try:
+        code = job.wait(timeout=LIMIT_S)
+    finally:
+        kill_session(job.pid)
+    took = time.monotonic() - t0
+    out = (tmp_path / "job.log").read_text()
+    errors = [line for line in out.splitlines() if line.startswith("error:")]
+    stalled = [line for line in out.splitlines() if line.startswith("stalled:")]
+    assert code == 1, out[-3000:]
+    assert len(errors) == 1, errors
+    assert re.search(r"no learner step for \d+ s: generators have nothing in flight and the buffer is "
+                     r"empty: .*the prompt source is exhausted", errors[0]), errors[0]
+    assert any(line.startswith("stalled: learner 0:") for line in stalled), stalled
+    assert any(line.startswith("stalled: generator 0:") for line in stalled), stalled
+    assert any(line.startswith("stalled: buffer:") for line in stalled), stalled
+    started = re.search(r"started 1 generator\(s\), 1 learner\(s\), buffer at \S+ in (\d+)s", out)
+    assert started, out[-3000:]
+    print(f"stopped {took:.0f} s after the launch (roles started in {started.group(1)} s, "
+          f"stall_timeout_s={stall_s}): {errors[0]}")

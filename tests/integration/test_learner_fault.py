@@ -33,8 +33,8 @@ from jobs import (
     wait_until,
 )
 
-from async_rlhf.checkpoint import STAGING, checkpoints_dir, list_checkpoints, read_manifest, resolve_resume
-from async_rlhf.control import send_control
+from async_rlhf.driver.checkpoints import STAGING, checkpoints_dir, list_checkpoints, read_manifest, resolve_resume
+from async_rlhf.driver.fleet import send_control
 
 pytestmark = pytest.mark.integration
 

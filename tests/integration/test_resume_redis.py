@@ -30,7 +30,7 @@ from jobs import (
 
 from async_rlhf.buffer.redis_store import RedisStore
 from async_rlhf.buffer.testing import RedisServer
-from async_rlhf.checkpoint import list_checkpoints, read_manifest
+from async_rlhf.driver.checkpoints import list_checkpoints, read_manifest
 
 pytestmark = pytest.mark.integration
 

@@ -28,7 +28,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from conftest import stop_process
-from test_weight_sync_vllm import expect
+from vllm_engine import expect
 
 from async_rlhf.sync.group import free_port
 from async_rlhf.sync.layout import TensorSpec, layout_from_wire, layout_to_wire, plan_buckets

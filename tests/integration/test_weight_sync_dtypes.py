@@ -18,17 +18,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from conftest import stop_process
-from test_weight_sync_vllm import (
-    ENGINE_START_S,
-    HOST,
-    TIMEOUT_S,
-    _engine,
-    expect,
-    layout_of,
-    max_diff,
-    perturbed,
-    reference_logprobs,
-)
+from test_weight_sync_vllm import ENGINE_START_S, TIMEOUT_S, _engine, layout_of, perturbed, reference_logprobs
+from vllm_engine import HOST, expect, max_diff
 
 from async_rlhf.sync.group import free_port
 from async_rlhf.sync.layout import layout_from_wire
@@ -62,14 +53,14 @@ def test_16_bit_engine_receives_weights_in_its_dtype(tmp_path: Path, dtype: str)
     proc.start()
     try:
         sender.form(["gen0"], timeout_s=ENGINE_START_S)
-        assert expect(out, "epoch", ENGINE_START_S) == 0
+        assert expect(out, "epoch", ENGINE_START_S) == [0]
         ref0, ref1 = reference_logprobs(model, v0, seqs), reference_logprobs(model, v1, seqs)
         cmds.put(("score", seqs))
         baseline = max_diff(expect(out, "scores"), ref0)
 
         cmds.put(("receive", True))
         sender.push(v1, 1)
-        assert expect(out, "received")["version"] == 1
+        assert [g["version"] for g in expect(out, "received")] == [1]
         cmds.put(("score", seqs))
         scores = expect(out, "scores")
         new, old = max_diff(scores, ref1), max_diff(scores, ref0)

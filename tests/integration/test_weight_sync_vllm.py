@@ -5,7 +5,7 @@ One fp32 engine, in a spawned process (vLLM binds threads; none of that should l
 sender is this process. Versions pushed, in order:
 
     v1  fp32, perturbed, loaded WITHOUT the tied lm_head refresh  -> logits stay stale: large difference
-        (proves the comparison catches the trap in DESIGN.md, where every checksum would match)
+        (proves the comparison catches a stale tied lm_head, whose parameter checksums all match)
     v2  fp32, perturbed again, with the refresh                   -> max |logp difference| < 1e-4
     v3  bf16 tensors on the wire (a bf16 learner), loaded into the fp32 engine, compared with the fp32
         forward of the same bf16 values                           -> max |logp difference| < 1e-4
@@ -18,16 +18,13 @@ exercised too. Engines that compute in bf16 and fp16 are in test_weight_sync_dty
 
 from __future__ import annotations
 
-import os
-import queue
-import time
-import traceback
 from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 from conftest import stop_process
+from vllm_engine import CPU_ENV, HOST, engine_process, expect, max_diff
 
 from async_rlhf.sync.group import free_port
 from async_rlhf.sync.layout import TensorSpec, layout_from_wire, layout_to_wire, plan_buckets
@@ -36,59 +33,15 @@ from async_rlhf.sync.tensors import dtype_name
 
 pytestmark = pytest.mark.integration
 
-HOST = "127.0.0.1"
 ENGINE_START_S = 240.0
 TIMEOUT_S = 60.0
 BUCKET_BYTES = 256 << 10  # several buckets for a ~0.5 M-parameter model
 
 
 def _engine(model_dir: str, port: int, layout: list, cmds, out, dtype: str = "float32") -> None:
-    os.environ.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
-                       "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1",
-                       "TOKENIZERS_PARALLELISM": "false", "VLLM_LOGGING_LEVEL": "ERROR"})
-    try:
-        from vllm import LLM, SamplingParams
-
-        llm = LLM(model=model_dir, dtype=dtype, enforce_eager=True, max_model_len=64, seed=0,
-                  worker_extension_cls="async_rlhf.generator.worker_ext.WeightSyncWorker")
-        llm.collective_rpc("init_receiver", args=(HOST, port, "gen0", layout, "gloo", TIMEOUT_S))
-        out.put(("epoch", llm.collective_rpc("join_push_group", args=(ENGINE_START_S,))[0]))
-        while True:
-            cmd, arg = cmds.get(timeout=ENGINE_START_S)
-            if cmd == "quit":
-                break
-            if cmd == "layout":
-                llm.collective_rpc("set_weight_layout", args=(arg,))
-                out.put(("layout", None))
-            elif cmd == "receive":
-                out.put(("received", llm.collective_rpc("receive_update",
-                                                        kwargs={"timeout_s": TIMEOUT_S, "refresh_lm_head": arg})[0]))
-            elif cmd == "score":
-                params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0)
-                outs = llm.generate([{"prompt_token_ids": s} for s in arg], params, use_tqdm=False)
-                out.put(("scores", [[o.prompt_logprobs[i][s[i]].logprob for i in range(1, len(s))]
-                                    for o, s in zip(outs, arg)]))
-        out.put(("bye", None))
-    except Exception:
-        out.put(("crash", traceback.format_exc()))
-    finally:
-        out.close()
-        out.join_thread()
-        os._exit(0)
-
-
-def expect(out, kind: str, timeout_s: float = TIMEOUT_S):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            got, payload = out.get(timeout=1.0)
-        except queue.Empty:
-            continue
-        if got == "crash":
-            raise AssertionError(f"the vLLM process failed:\n{payload}")
-        assert got == kind, (got, payload)
-        return payload
-    raise AssertionError(f"the vLLM process never answered {kind!r}")
+    """The CPU engine of these tests (see tests/vllm_engine.py for its commands)."""
+    engine_process(model_dir, port, layout, {"dtype": dtype, "enforce_eager": True, "max_model_len": 64}, cmds,
+                   out, timeout_s=TIMEOUT_S, start_s=ENGINE_START_S, env=CPU_ENV)
 
 
 def reference_logprobs(model, weights: dict[str, torch.Tensor], seqs: list[list[int]]) -> list[list[float]]:
@@ -99,10 +52,6 @@ def reference_logprobs(model, weights: dict[str, torch.Tensor], seqs: list[list[
         ids = torch.tensor(seqs)
         logp = torch.log_softmax(model(input_ids=ids).logits.float(), dim=-1)
         return logp[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1).tolist()
-
-
-def max_diff(a: list[list[float]], b: list[list[float]]) -> float:
-    return max(abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra, rb))
 
 
 def perturbed(base: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
@@ -138,14 +87,14 @@ def test_vllm_receives_pushed_weights_fp32_and_bf16_with_tied_lm_head(tmp_path: 
     proc.start()
     try:
         sender.form(["gen0"], timeout_s=ENGINE_START_S)
-        assert expect(out, "epoch", ENGINE_START_S) == 0
+        assert expect(out, "epoch", ENGINE_START_S) == [0]
 
         timings: list[dict] = []
 
         def push(weights: dict[str, torch.Tensor], version: int, refresh: bool) -> list[list[float]]:
             cmds.put(("receive", refresh))
             sender.push(weights, version)
-            got = expect(out, "received")
+            (got,) = expect(out, "received")
             assert got["version"] == version and got["sync/pause_s"] > 0
             timings.append(got)
             cmds.put(("score", seqs))

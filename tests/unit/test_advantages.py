@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from async_rlhf.config import CHOICES
+from async_rlhf.config import choices
 from async_rlhf.learner.advantages import broadcast_to_tokens, gae, group_advantages
 
 torch.set_num_threads(1)
@@ -27,7 +27,7 @@ EXPECTED = {
 
 
 def test_every_configured_estimator_is_covered():
-    assert set(CHOICES["train.advantage"]) == set(EXPECTED)
+    assert set(choices("train.advantage")) == set(EXPECTED)
 
 
 @pytest.mark.parametrize("estimator", sorted(EXPECTED))

@@ -6,7 +6,7 @@ import pytest
 
 from async_rlhf.buffer.client import decode_group
 from async_rlhf.buffer.service import BufferLogic
-from async_rlhf.buffer.store import MemoryStore, StoredGroup, make_store
+from async_rlhf.buffer.store import MemoryStore, StoredGroup
 from async_rlhf.types import Group, Sample
 from async_rlhf.wire import WireError
 
@@ -109,7 +109,7 @@ def test_try_get_waits_for_n_then_fifo():
     assert logic.try_get(3, 0) is None
     assert ids(logic.try_get(2, 0)) == ["d", "e"]
     assert logic.counters["delivered"] == 5
-    assert logic.delivered == {gid: 0 for gid in "abcde"}
+    assert {g: d.version for g, d in logic.store.delivered().items()} == {gid: 0 for gid in "abcde"}
 
 
 def test_delivered_group_round_trips_through_from_wire():
@@ -134,7 +134,7 @@ def test_stale_groups_are_dropped_counted_and_free_admission():
     # at learner version 2 with max_staleness 1: v0 is 2 behind (stale), v1 and v2 are fine
     got = logic.try_get(1, 2)
     assert ids(got) == ["mid"]
-    assert logic.dropped == {"old": "stale"}
+    assert logic.store.dropped() == {"old": "stale"}
     assert logic.counters["dropped_stale"] == 1
     assert logic.admission.accepted == 2
     s = logic.stats()
@@ -153,7 +153,7 @@ def test_try_get_returns_none_when_drops_leave_too_few():
     logic.put(wire("a", versions=(0,)))
     logic.put(wire("b", versions=(1,)))
     assert logic.try_get(2, 1) is None
-    assert logic.dropped == {"a": "stale"}
+    assert logic.store.dropped() == {"a": "stale"}
     assert [g.group_id for g in logic.store.peek_all()] == ["b"]
 
 
@@ -163,11 +163,11 @@ def test_ack_moves_delivered_to_trained():
         logic.put(wire(gid))
     logic.try_get(2, 0)
     assert logic.ack(["a"]) == {"acked": 1}
-    assert logic.trained == {"a"}
-    assert set(logic.delivered) == {"b"}
+    assert logic.store.trained() == {"a"}
+    assert set(logic.store.delivered()) == {"b"}
     assert logic.ack(["a", "b", "zzz", "c"]) == {"acked": 1}
-    assert logic.trained == {"a", "b"}
-    assert logic.delivered == {}
+    assert logic.store.trained() == {"a", "b"}
+    assert logic.store.delivered() == {}
     assert logic.counters["duplicate_ack"] == 1
     assert logic.counters["unknown_ack"] == 2  # "zzz" never existed, "c" was never delivered
     assert logic.counters["trained"] == 2
@@ -231,16 +231,11 @@ def test_admit_release_and_version_through_logic():
 
 
 def test_memory_store_basics():
-    store = make_store("memory")
-    assert isinstance(store, MemoryStore)
+    store = MemoryStore()
     g = [StoredGroup(str(i), 0, 1, 1, b"") for i in range(4)]
     assert all(store.put(x) for x in g)
     assert store.put(StoredGroup("1", 5, 1, 1, b"")) is False
     assert [x.min_version for x in store.peek_all()] == [0, 0, 0, 0]
-    store.remove(["2", "missing"])
-    assert [x.group_id for x in store.take(2)] == ["0", "1"]
-    assert len(store) == 1
-    assert [x.group_id for x in store.take(5)] == ["3"]
-    assert store.take(1) == []
-    with pytest.raises(ValueError, match="buffer.store=memory"):
-        make_store("sqlite")
+    assert store.drop(["2", "missing"], "test") == ["2"]
+    assert [x.group_id for x in store.deliver(["0", "1"], "L", 0)] == ["0", "1"]
+    assert len(store) == 1 and store.state("0") == "delivered" and store.dropped() == {"2": "test"}

@@ -68,7 +68,7 @@ def test_evict_stale_makes_room_for_fresher_groups():
     lg.put(wire("mid", 1))
     assert lg.put(wire("same", 0))["full"] is True  # not fresher than the oldest held: refused
     assert lg.put(wire("new", 2))["accepted"] is True
-    assert lg.dropped == {"old": "evicted"}
+    assert lg.store.dropped() == {"old": "evicted"}
     assert [g.group_id for g in lg.store.peek_all()] == ["mid", "new"]
     assert lg.counters["dropped_evicted"] == 1
     assert lg.admission.accepted == 2
@@ -82,12 +82,12 @@ def test_visibility_timeout_redelivers_and_late_ack_counts_once():
     t_delivered = lg.store.delivered()["a"].at
     assert lg.tick(now=t_delivered + 4.0) == 0
     assert lg.tick(now=t_delivered + 6.0) == 2
-    assert lg.delivered == {}
+    assert lg.store.delivered() == {}
     assert ids(lg.try_get(3, 0, "alive")) == ["a", "b", "c"]  # the returned ones keep their place
     assert lg.counters["redelivered"] == 2
     assert lg.ack(["a", "b", "c"]) == {"acked": 3}
     assert lg.ack(["a"]) == {"acked": 0}  # the dead learner's late ack: already trained
-    assert lg.trained == {"a", "b", "c"}
+    assert lg.store.trained() == {"a", "b", "c"}
     assert lg.counters["duplicate_ack"] == 1
 
 
@@ -98,7 +98,7 @@ def test_late_ack_of_a_group_held_again_is_accepted_once():
     lg.try_get(1, 0, "slow")
     assert lg.declare_dead("slow") == 1
     assert lg.ack(["a", "never"]) == {"acked": 1}  # slow learner was alive after all; "never" was never delivered
-    assert lg.trained == {"a"} and [g.group_id for g in lg.store.peek_all()] == ["never"]
+    assert lg.store.trained() == {"a"} and [g.group_id for g in lg.store.peek_all()] == ["never"]
     assert lg.try_get(1, 0, "other") is not None
     assert lg.stats()["buffer/unknown_ack"] == 1
 
@@ -110,7 +110,7 @@ def test_declare_dead_only_returns_that_consumers_groups():
     lg.try_get(2, 0, "one")
     lg.try_get(1, 0, "two")
     assert lg.release(0, consumer="one") == {"redelivered": 2}
-    assert set(lg.delivered) == {"c"}
+    assert set(lg.store.delivered()) == {"c"}
     assert lg.counters["returned_consumer_dead"] == 2
 
 
@@ -121,7 +121,7 @@ def test_redelivered_group_that_went_stale_is_dropped():
     lg.set_version(1)
     lg.declare_dead("dead")
     assert lg.try_get(1, 1, "next") is None
-    assert lg.dropped == {"a": "stale"}
+    assert lg.store.dropped() == {"a": "stale"}
 
 
 def test_metrics_rates_and_latency():

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from async_rlhf.checkpoint import (
+from async_rlhf.config import ConfigError
+from async_rlhf.driver.checkpoints import (
     commit,
     list_checkpoints,
     prune,
@@ -16,7 +17,6 @@ from async_rlhf.checkpoint import (
     staging_dir,
     truncate_jsonl,
 )
-from async_rlhf.config import ConfigError
 
 
 def stage(run_dir: Path, step: int) -> Path:
@@ -78,3 +78,31 @@ def test_truncate_jsonl_keeps_the_first_lines(tmp_path: Path) -> None:
     f.write_text("".join(f'{{"step": {i}}}\n' for i in range(10)))
     truncate_jsonl(f, 4)
     assert [json.loads(line)["step"] for line in f.read_text().splitlines()] == [0, 1, 2, 3]
+
+
+def test_run_dir_check_and_overwrite(tmp_path: Path) -> None:
+    from async_rlhf.driver.checkpoints import check_run_dir, clear_run_dir
+
+    fresh, empty = tmp_path / "fresh", tmp_path / "empty"
+    empty.mkdir()
+    for d in (fresh, empty):
+        check_run_dir(d, resume=False, overwrite=False)
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step-000002").mkdir(parents=True)
+    (run / "config.json").write_text("{}")
+    (run / "metrics.jsonl").write_text("{}\n")
+    with pytest.raises(ConfigError, match="holds a previous run; continue it with --resume"):
+        check_run_dir(run, resume=False, overwrite=False)
+    check_run_dir(run, resume=True, overwrite=False)
+    check_run_dir(run, resume=False, overwrite=True)
+    clear_run_dir(run)
+    assert run.is_dir() and not any(run.iterdir())
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "thesis.tex").write_text("x")
+    with pytest.raises(ConfigError, match="holds no previous run"):
+        check_run_dir(mine, resume=False, overwrite=True)
+    clear_run_dir(mine)  # never deletes a directory that is not a run's
+    assert (mine / "thesis.tex").is_file()
+    with pytest.raises(ConfigError, match="is a file"):
+        check_run_dir(mine / "thesis.tex", resume=False, overwrite=False)

@@ -119,6 +119,7 @@ def test_override_without_equals_is_refused():
     ("learners=-1", "learners"),
     ("train.steps=0", "train.steps"),
     ("sync.bucket_mb=0", "sync.bucket_mb"),
+    ("learner.zero3_gather_mb=0", "learner.zero3_gather_mb"),
     ("train.max_staleness=-1", "train.max_staleness"),
 ])
 def test_non_positive_sizes_are_refused(override, key):

@@ -5,7 +5,13 @@ import os
 import pytest
 
 from async_rlhf.config import ConfigError, load_config
-from async_rlhf.cpus import CpuSpecError, parse_cores, pin_this_process, plan_cpus, plan_for_config, split_blocks
+from async_rlhf.cpu_spec import CpuSpecError, parse_cores
+from async_rlhf.driver.cpu_plan import (
+    pin_this_process,
+    plan_cpus,
+    plan_for_config,
+    split_blocks,
+)
 
 
 def cores(plan, actor: str) -> tuple[int, ...]:

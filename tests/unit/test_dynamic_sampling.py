@@ -25,7 +25,7 @@ def test_uniform_groups_are_dropped_and_their_admission_slots_come_back() -> Non
     assert buf.admit(1)["granted"] == 0  # the bound: one batch of 2 at version 0
     buf.put(group("all-right", [1.0, 1.0, 1.0]))
     buf.put(group("mixed", [1.0, 0.0, 1.0]))
-    assert buf.dropped == {"all-right": "zero_advantage"}
+    assert buf.store.dropped() == {"all-right": "zero_advantage"}
     assert buf.counters["dropped_zero_advantage"] == 1
     assert buf.admit(2)["granted"] == 1  # the dropped group's slot is free again: the batch can still fill
     got = buf.try_get(1, version=0)
@@ -40,10 +40,10 @@ def test_a_late_reward_that_makes_a_group_uniform_drops_it() -> None:
     buf.admit(2)
     buf.put(group("late-a", [0.0, 0.0]), rewards_pending=True)  # placeholder rewards: not judged yet
     buf.put(group("late-b", [0.0, 0.0]), rewards_pending=True)
-    assert not buf.dropped
+    assert not buf.store.dropped()
     assert buf.reward("late-a", [0.5, 0.5]) == {"ok": True, "dropped": "zero_advantage"}
     assert buf.reward("late-b", [0.5, 1.0]) == {"ok": True}
-    assert buf.dropped == {"late-a": "zero_advantage"}
+    assert buf.store.dropped() == {"late-a": "zero_advantage"}
     assert [msgpack.unpackb(g)["group_id"] for g in buf.try_get(1, version=0)] == ["late-b"]
 
 
@@ -51,7 +51,7 @@ def test_without_dynamic_sampling_uniform_groups_are_trained() -> None:
     buf = logic(drop=False)
     buf.admit(1)
     buf.put(group("all-wrong", [0.0, 0.0]))
-    assert not buf.dropped and len(buf.try_get(1, version=0)) == 1
+    assert not buf.store.dropped() and len(buf.try_get(1, version=0)) == 1
 
 
 def test_auto_is_on_only_where_a_uniform_group_has_no_gradient() -> None:
@@ -78,7 +78,7 @@ def test_a_policy_that_always_fails_still_trains_after_a_streak_of_uniform_group
     buf.put(group("mixed", [0.0, 1.0]))  # an informative group resets the streak: uniform ones drop again
     buf.admit(1)
     buf.put(group("fail-again", [0.0, 0.0]))
-    assert buf.dropped["fail-again"] == "zero_advantage"
+    assert buf.store.dropped()["fail-again"] == "zero_advantage"
 
 
 def test_on_and_off_survive_yaml_on_the_command_line() -> None:

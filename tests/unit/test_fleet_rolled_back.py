@@ -4,8 +4,8 @@ cluster are stand-ins (no Ray is needed for the stream plan); the subject is the
 
 from types import SimpleNamespace
 
-from async_rlhf.control import Fleet
-from async_rlhf.prompt_ledger import PromptLedger
+from async_rlhf.driver.fleet import Fleet
+from async_rlhf.driver.prompt_ledger import PromptLedger
 
 
 class Buffer:

@@ -43,6 +43,9 @@ def _classifier_dir(tmp_path: Path) -> Path:
         (("run.num_cpus=2", "--generators", "3"), "CPU: the plan needs 4, this machine has 2"),
         (("scale", "--run-dir", "{not_ckpt}", "--generators", "2"), "no run with a control endpoint"),
         (("scale", "--run-dir", "{not_ckpt}", "--generators", "0"), "--generators must be at least 1"),
+        (("prompts.chat_template=true",), "prompts.chat_template=true but the tokenizer of the tiny model has no chat"),
+        (("prompts.eval_path={chat_eval}",), "chat.jsonl record 0: a prompt is a list of chat messages but the "
+                                             "tokenizer of the tiny model has no chat template: add one"),
     ],
 )
 def test_bad_input_fails_fast_with_one_line(tmp_path: Path, args: tuple[str, ...], expected: str) -> None:
@@ -50,7 +53,10 @@ def test_bad_input_fails_fast_with_one_line(tmp_path: Path, args: tuple[str, ...
     bad_yaml.write_text("train: [unclosed\n")
     not_ckpt = tmp_path / "not_a_checkpoint"
     not_ckpt.mkdir()
-    fmt = {"classifier": str(_classifier_dir(tmp_path)), "bad_yaml": str(bad_yaml), "not_ckpt": str(not_ckpt)}
+    chat_eval = tmp_path / "chat.jsonl"
+    chat_eval.write_text(json.dumps({"prompt": [{"role": "user", "content": "12+30="}]}) + "\n")
+    fmt = {"classifier": str(_classifier_dir(tmp_path)), "bad_yaml": str(bad_yaml), "not_ckpt": str(not_ckpt),
+           "chat_eval": str(chat_eval)}
     t0 = time.monotonic()
     proc = launch(*(a.format(**fmt) for a in args), cwd=tmp_path)
     assert proc.returncode == 2
@@ -83,3 +89,31 @@ def test_resume_refuses_steps_already_done(tmp_path: Path) -> None:
     proc = launch("--resume", str(tmp_path / "run"), "train.steps=5", cwd=tmp_path)
     assert proc.returncode == 2
     assert "checkpoint is at step 5 and train.steps is 5; raise train.steps" in proc.stderr
+
+
+def test_stop_without_a_running_job_fails_with_one_line(tmp_path: Path) -> None:
+    proc = launch("stop", "--run-dir", str(tmp_path), cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [f"error: {tmp_path / 'control.json'} not found: no run with a "
+                                                f"control endpoint is active in {tmp_path}"]
+
+
+def test_a_run_directory_in_use_is_refused_unless_resumed_or_overwritten(tmp_path: Path) -> None:
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "config.json").write_text("{}")
+    (old / "metrics.jsonl").write_text('{"step": 1}\n')
+    proc = launch("--run-dir", str(old), cwd=tmp_path)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "holds a previous run" in lines[0], proc.stderr
+    assert "--resume" in lines[0] and "run.overwrite=true" in lines[0]
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    proc = launch("--run-dir", str(other), "run.overwrite=true", cwd=tmp_path)
+    assert proc.returncode == 2 and "holds no previous run" in proc.stderr, proc.stderr
+    # overwrite passes validation (the dry run deletes nothing: the run itself clears the directory)
+    proc = launch("--dry-run", "--run-dir", str(old), "run.overwrite=true", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert (old / "metrics.jsonl").is_file() and (other / "notes.txt").is_file()

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from async_rlhf.config import CHOICES, ObjectiveConfig
+from async_rlhf.config import ObjectiveConfig, choices
 from async_rlhf.learner.objectives import (
     aggregate,
     correction_saturated,
@@ -18,8 +18,8 @@ from async_rlhf.learner.objectives import (
 
 torch.set_num_threads(1)
 
-KINDS = CHOICES["train.objective.kind"]
-AGGREGATIONS = CHOICES["train.objective.aggregation"]
+KINDS = choices("train.objective.kind")
+AGGREGATIONS = choices("train.objective.aggregation")
 LN = math.log
 NAN = float("nan")
 INF = float("inf")
@@ -338,10 +338,12 @@ def test_interp_objective_needs_versions():
 
 def test_bad_options_raise():
     logp, adv, mask, _ = _ragged_batch()
+    with pytest.raises(ValueError, match="kind"):
+        ObjectiveConfig(kind="a2c")  # the config refuses it; the loss checks too (for unchecked configs):
     with pytest.raises(ValueError, match="unknown objective kind"):
-        policy_loss(logp, logp, logp, adv, mask, ObjectiveConfig(kind="a2c"))
+        policy_loss(logp, logp, logp, adv, mask, ObjectiveConfig.model_construct(kind="a2c"))
     with pytest.raises(ValueError, match="truncate_mode"):
-        policy_loss(logp, logp, logp, adv, mask, ObjectiveConfig(truncate_mode="drop"))
+        policy_loss(logp, logp, logp, adv, mask, ObjectiveConfig.model_construct(truncate_mode="drop"))
     with pytest.raises(ValueError, match="needs prox_logp"):
         policy_loss(logp, None, logp, adv, mask, ObjectiveConfig(kind="tis_token"))
     loss, m = policy_loss(logp, None, logp, adv, mask, ObjectiveConfig(kind="ppo"))  # ppo works without

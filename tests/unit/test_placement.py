@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from async_rlhf.config import ConfigError, load_config
-from async_rlhf.placement import check_fits, format_plan, plan_placement
+from async_rlhf.driver.placement import check_fits, format_plan, plan_placement
 
 
 def test_totals_per_resource_for_16_and_16() -> None:

@@ -6,8 +6,8 @@ import itertools
 
 import pytest
 
+from async_rlhf.driver.prompt_ledger import PromptLedger
 from async_rlhf.generator.stream import PromptStream, group_id, key_of_group
-from async_rlhf.prompt_ledger import PromptLedger
 
 
 def letters():

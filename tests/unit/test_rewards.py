@@ -1,7 +1,6 @@
-"""Reward sources: functions, weighted sums, a real HTTP scorer (slow, silent, wrong), a real reward model."""
+"""Reward sources: functions, weighted sums, a real reward model."""
 
 import asyncio
-import time
 from pathlib import Path
 
 import pytest
@@ -9,7 +8,6 @@ import pytest
 from async_rlhf.env.base import Prompt
 from async_rlhf.rewards.base import FunctionReward, RewardError, WeightedRewards, check_rewards, load_callable
 from async_rlhf.rewards.http import HttpScorer
-from async_rlhf.rewards.scorer_server import ScorerServer
 
 PROMPT = Prompt("12+30=", {"answer": "042"})
 
@@ -51,34 +49,6 @@ def test_load_callable_from_module_or_file(tmp_path: Path):
                           ("no_such_module_xyz:f", "cannot import"), (f"{f}:missing", "has no function")):
         with pytest.raises(ValueError, match=message):
             load_callable(spec, "rewards.function")
-
-
-def test_http_scorer_against_a_real_server_slow_silent_and_broken():
-    server = ScorerServer(delay_s=0.3)
-    try:
-        scorer = HttpScorer(server.url, timeout_s=5.0)
-
-        async def many() -> tuple[list, float]:
-            t0 = time.monotonic()
-            out = await asyncio.gather(*(scorer.score(PROMPT, ["042", "41", "x"]) for _ in range(40)))
-            return out, time.monotonic() - t0
-
-        out, took = asyncio.run(many())
-        assert all(r == [1.0, 0.0, 0.0] for r in out) and server.requests == 40
-        assert took < 0.3 * 40 / 4, f"40 requests of 0.3 s took {took:.1f} s: they did not overlap"
-        server.drop = 1.0
-        with pytest.raises(RewardError, match="TimeoutError"):
-            asyncio.run(HttpScorer(server.url, timeout_s=0.5).score(PROMPT, ["042"]))
-        server.drop = 0.0
-        server.fn = lambda p, c, d: "not a number"
-        with pytest.raises(RewardError, match="finite number"):
-            asyncio.run(scorer.score(PROMPT, ["042"]))
-    finally:
-        server.close()
-    with pytest.raises(RewardError, match="failed"):
-        asyncio.run(HttpScorer(server.url, timeout_s=2.0).score(PROMPT, ["042"]))  # nobody listens any more
-    with pytest.raises(RewardError, match="must be http"):
-        asyncio.run(HttpScorer("ftp://host/x").score(PROMPT, ["042"]))
 
 
 @pytest.fixture(scope="module")
@@ -125,3 +95,63 @@ def test_reward_model_server_merges_concurrent_requests(reward_model_dir: Path):
 
     direct = RewardModelScorer(str(reward_model_dir)).score(["5+1=", "5+2="])
     assert outs[5] == pytest.approx(direct, abs=1e-5)
+
+
+def ended_reward(prompt: str, completion: str, data: dict, *, completion_ids: list[int],
+                 finish_reason: str) -> float:
+    """A reward that requires a proper ending: the answer, then the stop token (id 2 here)."""
+    return float(completion == data["answer"] and finish_reason == "stop" and completion_ids[-1:] == [2])
+
+
+def test_reward_functions_get_token_ids_and_finish_reason_when_they_ask():
+    from async_rlhf.rewards.base import Completion, wanted_extras
+
+    ended = Completion("042", [3, 7, 5, 2], "stop")
+    rambling = Completion("042", [3, 7, 5, 1, 1], "length")  # "042<s><s>": the same text once stripped
+    assert ended == "042" and isinstance(ended, str) and ended.token_ids == [3, 7, 5, 2]
+    # old three-argument functions are called as before and cannot tell the two apart
+    old = FunctionReward(lambda p, c, d: float(c == d["answer"]))
+    assert old.extras == () and old.score_now(PROMPT, [ended, rambling]) == [1.0, 1.0]
+    new = FunctionReward(ended_reward, immediate=False)
+    assert new.extras == ("completion_ids", "finish_reason")
+    assert asyncio.run(new.score(PROMPT, [ended, rambling])) == [1.0, 0.0]
+
+    def only_reason(prompt, completion, data, finish_reason=None):
+        return float(finish_reason == "stop")
+
+    def anything(prompt, completion, data, **kw):
+        return float(sorted(kw) == ["completion_ids", "finish_reason", "prompt_ids"] and type(completion) is str)
+
+    assert wanted_extras(only_reason) == ("finish_reason",)
+    assert FunctionReward(only_reason).score_now(PROMPT, [ended, rambling]) == [1.0, 0.0]
+    assert FunctionReward(anything).score_now(PROMPT, [ended]) == [1.0]
+    # a plain str (a caller that has no token ids) gives None for them
+    assert FunctionReward(lambda p, c, d, finish_reason: float(finish_reason is None)).score_now(PROMPT, ["x"]) == [1.0]
+    import pickle
+
+    back = pickle.loads(pickle.dumps(rambling))  # crosses to Ray actors (reward models) intact
+    assert back == "042" and back.token_ids == rambling.token_ids and back.finish_reason == "length"
+
+
+def test_reward_functions_get_the_prompt_ids_when_they_ask():
+    """The tokens the model was given (a chat prompt after its template), beside the completion's."""
+    from async_rlhf.rewards.base import Completion, wanted_extras
+
+    def starts_with_bos(prompt, completion, data, *, prompt_ids):
+        return float(prompt_ids[:1] == [1])
+
+    assert wanted_extras(starts_with_bos) == ("prompt_ids",)
+    seen = [Completion("042", [3, 2], "stop", [1, 5, 9]), Completion("042", [3, 2], "stop", [5, 9])]
+    assert FunctionReward(starts_with_bos).score_now(PROMPT, seen) == [1.0, 0.0]
+    assert Completion("x").prompt_ids == []
+
+
+def test_http_request_carries_token_ids_and_finish_reasons():
+    from async_rlhf.rewards.base import Completion
+    from async_rlhf.rewards.http import request_body
+
+    outs = [Completion("042", [3, 7, 5, 2], "stop"), Completion("04", [3, 7, 1, 1], "length")]
+    body = request_body(PROMPT, outs)
+    assert body == {"prompt": "12+30=", "completions": ["042", "04"], "data": {"answer": "042"},
+                    "completion_ids": [[3, 7, 5, 2], [3, 7, 1, 1]], "finish_reasons": ["stop", "length"]}
+    assert request_body(PROMPT, ["042"]) == {"prompt": "12+30=", "completions": ["042"], "data": {"answer": "042"}}

@@ -1,6 +1,6 @@
 """The stall diagnosis names the likely cause from what the roles report."""
 
-from async_rlhf.stall import diagnose_stall, role_lines
+from async_rlhf.driver.stall import diagnose_stall, role_lines
 
 BUF = {"buffer/depth": 0, "buffer/awaiting_reward": 0, "buffer/version": 3, "buffer/accepted": 48,
        "buffer/running": 8, "buffer/capacity": 64, "buffer/dropped_total": 0}

@@ -189,11 +189,13 @@ class FakeWork:
 
     def __init__(self, done_at: float, error: Exception | None = None) -> None:
         self.done_at, self.error = done_at, error
+        self.waits = 0
 
     def is_completed(self) -> bool:
         return time.monotonic() >= self.done_at
 
     def wait(self, timeout=None) -> bool:
+        self.waits += 1
         left = self.done_at - time.monotonic()
         if timeout is not None and left > timeout.total_seconds():
             time.sleep(timeout.total_seconds())
@@ -207,10 +209,10 @@ class FakeWork:
 def test_wait_work_completes_times_out_aborts_and_surfaces_errors():
     now = time.monotonic()
     wait_work(FakeWork(now + 0.05), now + 1.0, "op", slice_s=0.02)
-    t0 = time.monotonic()
+    never = FakeWork(now + 60)
     with pytest.raises(SyncTimeout, match="op"):
-        wait_work(FakeWork(now + 60), time.monotonic() + 0.2, "op", slice_s=0.05)
-    assert time.monotonic() - t0 < 0.5
+        wait_work(never, time.monotonic() + 0.2, "op", slice_s=0.05)
+    assert 1 <= never.waits <= 5, "each wait must be one slice, and the deadline must end the slices"
     calls = []
 
     def abort():
@@ -243,3 +245,24 @@ def test_flatten_params_keeps_values_and_parameters_and_makes_every_bucket_zero_
     assert arena.dtype == torch.uint8 and named["0.weight"].untyped_storage().data_ptr() == arena.data_ptr()
     model[0](torch.randn(2, 8)).sum().backward()  # still trainable
     assert named["0.weight"].grad.shape == (4, 8)
+
+
+def test_every_tp_worker_is_a_member_of_its_own() -> None:
+    from async_rlhf.sync.protocol import encode_join, tp_member_id, tp_member_ids
+
+    assert tp_member_ids("gen0", 1) == ["gen0"]  # no TP: the generator's id, as always
+    assert tp_member_ids("gen3", 2) == ["gen3.tp0", "gen3.tp1"]
+    for m in tp_member_ids("gen3", 4):
+        assert P.decode_join(encode_join(P.Member(m, "n"))).id == m  # valid ids on the wire
+    with pytest.raises(ValueError):
+        tp_member_id("gen0", 2, 2)
+
+
+def test_an_engine_swaps_only_a_version_all_its_workers_hold() -> None:
+    from async_rlhf.generator.worker_ext import common_staged
+
+    assert common_staged([4]) == 4
+    assert common_staged([4, None]) is None  # one TP worker still receiving
+    assert common_staged([5, 4]) == 4
+    assert common_staged([5, -1]) == -1  # a failed fetch on any worker is reported
+    assert common_staged([]) is None

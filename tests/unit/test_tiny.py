@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -219,7 +218,7 @@ def test_batched_left_padded_decode_matches_unpadded() -> None:
 # --- SFT cache ------------------------------------------------------------------------------------
 
 
-def test_prepare_tiny_policy_caches(tmp_path: Path) -> None:
+def test_prepare_tiny_policy_caches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from transformers import AutoModelForCausalLM
 
     cfg = TaskConfig(digits=2, heldout_size=50, sft_steps=3)
@@ -230,11 +229,16 @@ def test_prepare_tiny_policy_caches(tmp_path: Path) -> None:
     AutoModelForCausalLM.from_pretrained(str(path))
     assert load_tokenizer(path).decode(load_tokenizer(path).encode("1 + 2")) == "1 + 2"
     stamp = (path / "model.safetensors").stat().st_mtime_ns
-    t0 = time.perf_counter()
+    import async_rlhf.tiny.sft as sft
+
+    real_build = sft.build_tiny_model
+    builds: list[Path] = []
+    monkeypatch.setattr(sft, "build_tiny_model", lambda d, **kw: builds.append(d) or real_build(d, **kw))
     assert prepare_tiny_policy(tmp_path, cfg, seed=0) == path
-    assert time.perf_counter() - t0 < 1.0
+    assert builds == [], "a cached policy was built again"
     assert (path / "model.safetensors").stat().st_mtime_ns == stamp
     other = prepare_tiny_policy(tmp_path, TaskConfig(digits=2, heldout_size=50, sft_steps=4), seed=0)
+    assert len(builds) == 1, "other settings must build their own policy"
     assert other != path
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == sorted(
         [path.name, other.name]

@@ -1,0 +1,271 @@
+"""The roles of a run on Ray: placement groups, every actor started and wired to the others' addresses.
+
+    driver (this process)
+      |-- BufferActor        ZeroMQ ROUTER on its node, memory or Redis store, staleness rule, ledger
+      |                      (Redis: restarted by Ray on the same port, recovers its state; see buffer_watch.py)
+      |-- GeneratorActor x N vLLM engine + loop            --put--> buffer
+      |-- LearnerActor   x M DeepSpeed engine              <--get-- buffer
+      |        rank 0 ==broadcast (own TCPStore, gloo/nccl)==> every generator's vLLM worker
+      '-- (runner.py) progress: polls learners, generators and buffer; metrics, checkpoints, plots
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from async_rlhf.config import Config
+from async_rlhf.generator.engine_args import engine_env
+from async_rlhf.sync.protocol import tp_member_ids
+
+log = logging.getLogger(__name__)
+
+
+def resolve_model(cfg: Config, cache_root: Path) -> str:
+    """The policy to start from: ``model.path``, or the tiny model with its SFT warm start (cached)."""
+    if cfg.model.path:
+        return str(Path(cfg.model.path).resolve())
+    from async_rlhf.tiny.sft import prepare_tiny_policy
+
+    task = cfg.task
+    if task.name not in ("addition", "longtail"):  # guess_number, reward_model, custom: the addition warm start
+        task = task.model_copy(update={"name": "addition"})
+    return str(prepare_tiny_policy(cache_root, task, seed=cfg.train.seed))
+
+
+def heldout_accuracy(model_dir: str, cfg: Config) -> float:
+    """Greedy held-out accuracy of a Hugging Face model directory, with transformers (independent of vLLM)."""
+    from async_rlhf.env.registry import make_task
+    from async_rlhf.learner.device import load_eval_model
+    from async_rlhf.tiny.sft import greedy_accuracy
+    from async_rlhf.tokenizer import load_tokenizer
+
+    model = load_eval_model(model_dir, cfg.model.dtype)  # the GPU in the model's dtype if there is one
+    task = make_task(cfg.task)
+    return greedy_accuracy(model, load_tokenizer(model_dir), task.heldout(), cfg.generator.max_new_tokens)
+
+
+def pin_roles(cfg: Config, buffer: Any, generators: list[Any], learners: list[Any],
+              nodes: dict[str, list[dict[str, Any]]]) -> Any:
+    """Pin every actor's process to its cores of the CPU plan (``async_rlhf.driver.cpu_plan``); returns the plan.
+
+    ``nodes``: where each role's bundles are (``Cluster._probe_nodes``). On one host the plan uses this host's
+    cores; across nodes each node is planned from its own cores."""
+    import ray
+
+    from async_rlhf.driver.cpu_plan import pin_actor, plan_nodes
+
+    per_node: dict[str, dict[str, Any]] = {}
+    for role in ("generators", "learners", "buffer"):
+        for i, node in enumerate(nodes[role]):
+            entry = per_node.setdefault(node["node"], {"cores": node["cores"], "generators": [], "learners": []})
+            if role == "buffer":
+                entry["buffer"] = True
+            else:
+                entry[role].append(i)
+    plan = plan_nodes(cfg, per_node)  # one node too: it may not be the driver's host (--address)
+    actors = {"buffer": buffer, **{f"generator {i}": g for i, g in enumerate(generators)},
+              **{f"learner {r}": lr for r, lr in enumerate(learners)}}
+    ray.get([a.__ray_call__.remote(pin_actor, list(plan.placements[name].cores), None, plan.placements[name].nice)
+             for name, a in actors.items()])
+    for warning in plan.warnings:
+        log.warning("CPU plan: %s", warning)
+    return plan
+
+
+class Cluster:
+    """Handles to the started roles (the integration tests inspect them after a run)."""
+
+    def __init__(self, cfg: Config, model_path: str, address: str | None = None) -> None:
+        import ray
+
+        from async_rlhf.buffer.actor import BufferActor
+        from async_rlhf.driver.placement import plan_placement
+        from async_rlhf.endpoints import NETWORK_ENV, make_run_keys, run_keys_env, use_node_addresses
+        from async_rlhf.generator.actor import GeneratorActor
+        from async_rlhf.learner.actor import LearnerActor
+
+        self.cfg = cfg
+        self.model_path = model_path
+        self.plan = plan_placement(cfg)
+        res = cfg.resources
+        address = address or os.environ.get("RAY_ADDRESS") or None  # under `ray job submit`: the job's cluster
+        if not ray.is_initialized():
+            if address:  # joining: Ray refuses resource arguments for a cluster it did not start
+                ray.init(address=address)
+            else:  # locally, room for the plan plus a few generators added by `scale` (roles share the cores)
+                local_cpus = cfg.run.num_cpus or max(os.cpu_count() or 1, int(self.plan.totals()["CPU"] + 0.999)
+                                                     + 4 * int(res.generator_cpus + 0.999))
+                # "local": a Ray of our own, never one a stale /tmp/ray/ray_current_cluster of an earlier
+                # `ray start` names
+                ray.init(address="local", include_dashboard=False, log_to_driver=True, num_cpus=local_cpus,
+                         runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+        alive = sum(1 for n in ray.nodes() if n.get("Alive"))
+        self.across_nodes = use_node_addresses(cfg.run.network, alive)
+        self.role_env: dict[str, str] = {"TOKENIZERS_PARALLELISM": "false"}
+        if self.across_nodes:  # every actor (and this driver's own buffer client) learns the mode and the keys
+            self.role_env.update({NETWORK_ENV: "node", **run_keys_env(make_run_keys())})
+            os.environ.update(self.role_env)
+        self.groups = self._placement_groups()
+        self.nodes = self._probe_nodes()
+        buffer_cfg, restarts = cfg, 0
+        if cfg.buffer.store == "redis" and cfg.run.buffer_max_restarts:
+            # a restarted actor binds the same address (its clients reconnect to it): choose the port now, one
+            # free on the buffer's node
+            buffer_cfg, restarts = copy.deepcopy(cfg), cfg.run.buffer_max_restarts
+            buffer_cfg.buffer.port = cfg.buffer.port or self.nodes["buffer"][0]["ports"][0]
+        self.buffer = ray.remote(BufferActor).options(
+            num_cpus=res.buffer_cpus, max_restarts=restarts, scheduling_strategy=self._in_group("buffer", 0),
+            runtime_env={"env_vars": self.role_env}).remote(buffer_cfg)
+        self.buffer_address = ray.get(self.buffer.address.remote())
+        self._gen_cls = ray.remote(GeneratorActor)
+        self._gen_opts = {"num_cpus": res.generator_cpus, "num_gpus": res.generator_gpus, "max_concurrency": 4,
+                          "resources": self.plan.role("generators").custom(),  # a late joiner's too
+                          "max_restarts": cfg.run.generator_max_restarts,
+                          "runtime_env": {"env_vars": {**self.role_env, **engine_env(cfg)}}}
+        self.generators = [self._gen_cls.options(**self._gen_opts, scheduling_strategy=self._in_group(
+            "generators", i)).remote(i, cfg, model_path, self.buffer_address) for i in range(cfg.generators)]
+        self.added: list[Any] = []
+        # learner rank 0's node hosts both rendezvous: DeepSpeed's and the weight push's store
+        rank0 = self.nodes["learners"][0]
+        self.master = (rank0["host"], rank0["ports"][0])
+        self.push_host, self.push_port = rank0["host"], rank0["ports"][1]
+        learner_cls = ray.remote(LearnerActor)
+        learner_opts = {"num_cpus": res.learner_cpus, "num_gpus": res.learner_gpus, "max_concurrency": 3,
+                        "runtime_env": {"env_vars": {**self.role_env, "OMP_NUM_THREADS": str(cfg.learner.threads)}}}
+        self.learners = [learner_cls.options(**learner_opts, scheduling_strategy=self._in_group("learners", r)).remote(
+            r, cfg.learners, cfg, model_path, *self.master, self.buffer_address) for r in range(cfg.learners)]
+        self._await_learners()
+        ray.get([g.ready.remote() for g in self.generators])
+        self.cpu_plan = pin_roles(cfg, self.buffer, self.generators, self.learners, self.nodes)
+        # the push group: learner rank 0 and every generator, on a TCPStore of its own
+        layout = ray.get([lr.weight_layout.remote() for lr in self.learners])[0]
+        self.layout = layout
+        ids = [f"gen{i}" for i in range(cfg.generators)]
+        members = [m for g in ids for m in tp_member_ids(g, res.tensor_parallel)]  # every TP worker receives
+        ray.get([self.learners[0].init_weight_sync.remote(self.push_host, self.push_port, members)]
+                + [g.init_weight_sync.remote(self.push_host, self.push_port, mid, layout)
+                   for mid, g in zip(ids, self.generators)])
+
+    def _probe_nodes(self) -> dict[str, list[dict[str, Any]]]:
+        """Ask every bundle's node where it would listen and whether it sees the run directory and the model
+        (a task in each bundle, before the roles start); refuse a node that does not, with one line."""
+        import uuid
+
+        import ray
+
+        from async_rlhf.endpoints import SHARED_TOKEN, probe_node
+
+        run_dir = Path(self.cfg.run.dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        token = uuid.uuid4().hex
+        (run_dir / SHARED_TOKEN).write_text(token)
+        probe = ray.remote(num_cpus=0)(probe_node)
+        env = {"env_vars": self.role_env}
+        refs = {role: [probe.options(scheduling_strategy=self._in_group(role, i), runtime_env=env).remote(
+            str(run_dir) if role == "learners" else "", token, (self.model_path,)) for i in range(r.count)]
+            for role, r in ((r.role, r) for r in self.plan.roles)}
+        nodes = {role: ray.get(rs, timeout=self.cfg.run.rendezvous_timeout_s) for role, rs in refs.items()}
+        (run_dir / SHARED_TOKEN).unlink(missing_ok=True)
+        for role, found in nodes.items():
+            for i, node in enumerate(found):
+                if node["missing"]:
+                    raise NodeSetupError(f"{role} {i} on node {node['node']} cannot read {node['missing'][0]}: give "
+                                         "paths that every node sees at the same place (shared storage)")
+                if not node["sees_run_dir"]:
+                    raise NodeSetupError(f"learner rank {i} on node {node['node']} does not see the run directory "
+                                         f"{run_dir} as the driver does (its checkpoints go there): put run.dir on "
+                                         "storage shared by every node, at the same path")
+        return nodes
+
+    def _await_learners(self) -> None:
+        """Every learner rank joins DeepSpeed's rendezvous within ``run.rendezvous_timeout_s`` or the run stops
+        with one line naming the rank, its node and the address it dialled."""
+        import ray
+
+        refs = [lr.ready.remote() for lr in self.learners]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.cfg.run.rendezvous_timeout_s)
+        host, port = self.master
+        for r, ref in enumerate(refs):
+            node = self.nodes["learners"][r]["node"]
+            if ref not in ready:
+                raise NodeSetupError(
+                    f"learner rank {r} on node {node} did not join the DeepSpeed rendezvous at {host}:{port} within "
+                    f"{self.cfg.run.rendezvous_timeout_s:.0f} s (run.rendezvous_timeout_s): check that node {node} "
+                    f"reaches {host} on TCP port {port} and on gloo's ports (firewall, routes), and that every rank "
+                    "started (ray status)")
+            ray.get(ref)
+
+    def pin_buffer(self) -> None:
+        """Pin a restarted buffer actor's new process as the CPU plan says (the old one was pinned at start)."""
+        import ray
+
+        from async_rlhf.driver.cpu_plan import pin_actor
+
+        place = self.cpu_plan.placements["buffer"]
+        ray.get(self.buffer.__ray_call__.remote(pin_actor, list(place.cores), None, place.nice), timeout=10.0)
+
+    def _placement_groups(self) -> dict[str, Any]:
+        """One placement group per role, pack or spread (resources.placement); waits until placed."""
+        import ray
+        from ray.util.placement_group import placement_group
+
+        groups = {r.role: placement_group(r.ray_bundles(), strategy=r.strategy.upper(), name="")
+                  for r in self.plan.roles}
+        ray.get([pg.ready() for pg in groups.values()], timeout=120)
+        return groups
+
+    def _in_group(self, role: str, index: int) -> Any:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        return PlacementGroupSchedulingStrategy(placement_group=self.groups[role],
+                                                placement_group_bundle_index=index)
+
+    def new_generator(self, gen_id: int) -> Any:
+        """A generator added while training runs (outside the placement group, which has a fixed size)."""
+        handle = self._gen_cls.options(**self._gen_opts).remote(gen_id, self.cfg, self.model_path,
+                                                                self.buffer_address)
+        self.added.append(handle)
+        return handle
+
+    def join_late(self, member_id: str, handle: Any) -> None:
+        """Admit a started (or restarted) generator to the push group; it takes the next version first (its
+        join request reaches the sender through the push group's store, admitted at the next push)."""
+        import ray
+
+        ray.get(handle.init_weight_sync.remote(self.push_host, self.push_port, member_id, self.layout, late=True))
+
+    def save_policy(self, out_dir: str | Path) -> str:
+        """The policy as a Hugging Face directory, written by rank 0; every rank takes part (under ZeRO-3 the
+        parameters are gathered collectively, so asking rank 0 alone would wait forever)."""
+        import ray
+
+        return ray.get([lr.save_hf.remote(str(Path(out_dir).resolve())) for lr in self.learners])[0]
+
+    def generator_died(self, member_id: str) -> None:
+        """Tell the pushing learner that this member is gone, so no push waits for it (fire and forget)."""
+        self.learners[0].drop_generators.remote(tp_member_ids(member_id, self.cfg.resources.tensor_parallel))
+
+    def close(self) -> None:
+        """Kill this run's actors but keep Ray up (experiments run several clusters in one Ray session)."""
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        for actor in [*self.generators, *self.added, *self.learners, self.buffer]:
+            ray.kill(actor)
+        for pg in self.groups.values():
+            remove_placement_group(pg)
+
+    def shutdown(self) -> None:
+        import ray
+
+        self.close()
+        ray.shutdown()
+
+
+class NodeSetupError(RuntimeError):
+    """A node cannot take part as placed (a path it cannot see, a rendezvous it cannot reach): one line says
+    which node and what to check."""

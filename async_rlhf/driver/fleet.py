@@ -1,0 +1,449 @@
+"""The generator fleet while training runs: scale it, restart what died, re-issue what was in flight.
+
+    driver progress loop, every ~0.5 s:  fleet.poll()
+      scale request pending?   more: start gen k, late-join the push group (current weights first), run
+                               fewer: stop(drain=True) the newest; once its groups are put, kill it
+      a run() ref failed?      Ray restarted the actor (max_restarts): wait until it is up, re-join late
+                               under a new member id, re-issue its in-flight prompts, count the restart
+
+Requests come from :meth:`Fleet.request_scale` (Python) or from the control endpoint, a ZeroMQ REP socket
+on loopback whose address the driver writes to ``run_dir/control.json``:
+
+    python launch/cluster.py scale --run-dir runs/demo --generators 2
+
+Messages are JSON objects (never pickled): ``{"op": "scale", "generators": 2}``, ``{"op": "stop"}`` (end the
+run early with a checkpoint), ``{"op": "status"}`` or ``{"op": "pids"}`` (process ids of the learner ranks,
+generators and the buffer, e.g. to send one a signal in a fault test). A request is one frame of at most
+``MAX_REQUEST_BYTES`` (ZeroMQ drops a peer that sends more); anything else (not JSON, not an object, an
+unknown op or key, a target that is not a strict integer or more than the cluster can place, several frames)
+is answered ``{"ok": false, "error": ...}`` and the endpoint keeps serving.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from async_rlhf.driver.handles import BufferStats, FleetControl, RoleCluster
+from async_rlhf.driver.prompt_ledger import PromptLedger
+
+log = logging.getLogger(__name__)
+
+CONTROL_FILE = "control.json"
+MAX_GENERATORS = 4096
+RESTART_TIMEOUT_S = 300.0
+STOP_TIMEOUT_S = 60.0
+MAX_REQUEST_BYTES = 64 << 10
+OPS = {"scale": {"generators"}, "stop": set(), "status": set(), "pids": set()}
+"""Each op and the keys it takes besides ``op``."""
+
+
+class RunFailure(RuntimeError):
+    """A role failed in a way a restart cannot mend (e.g. its reward source is broken): the run stops."""
+
+
+class RequestError(ValueError):
+    """A control request that cannot be served; the message says what a valid one looks like."""
+
+
+def parse_request(raw: bytes, max_generators: Callable[[], int]) -> dict[str, Any]:
+    """The request in ``raw``, checked: a JSON object with a known ``op``, only that op's keys, and for
+    ``scale`` a strict integer between 1 and ``max_generators()`` (asked only for a scale request: it reads
+    the cluster's free resources)."""
+    try:
+        msg = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise RequestError(f"not a JSON request ({type(exc).__name__}); send e.g. {{\"op\": \"status\"}}") from None
+    if type(msg) is not dict:
+        raise RequestError(f"a request is a JSON object such as {{\"op\": \"status\"}}, not {type(msg).__name__}")
+    op = msg.get("op")
+    if not isinstance(op, str) or op not in OPS:
+        raise RequestError(f"unknown op {str(op)[:40]!r}; use {', '.join(OPS)}")
+    extra = set(msg) - OPS[op] - {"op"}
+    if extra:
+        raise RequestError(f"op {op} takes {sorted(OPS[op]) or 'no other keys'}, not {sorted(extra)[:5]}")
+    if op == "scale":
+        n = msg.get("generators")
+        if type(n) is not int:  # not bool, float, str: "3" or 2.9 or true are refused, not guessed
+            raise RequestError(f"scale needs generators, an integer; got {str(n)[:40]!r}")
+        if n < 1 or n > (limit := max_generators()):
+            bound = "at least 1" if n < 1 else f"at most {limit} (what this cluster can place now)"
+            raise RequestError(f"generators must be {bound}, got {n if abs(n) < 10**12 else 'a huge number'}")
+    return msg
+
+
+class Fleet:
+    """The live generators of one run; every method runs on the driver's progress thread except
+    :meth:`request_scale` and :meth:`status` (any thread)."""
+
+    def __init__(self, cluster: RoleCluster, ledger: PromptLedger, buffer_client: BufferStats,
+                 version: int | None = None,
+                 rolled_back: set[str] | None = None) -> None:
+        """``rolled_back``: group ids the buffer saw trained after the checkpoint a run resumed from (their
+        training was undone with the model: their prompts are issued again, never skipped)."""
+        self.cluster = cluster
+        self.rolled_back = rolled_back or set()
+        self.ledger = ledger
+        self.buffer_client = buffer_client
+        self.version = version
+        self.handles: dict[int, Any] = dict(enumerate(cluster.generators))
+        self.runs: dict[int, Any] = {}
+        self.draining: dict[int, Any] = {}
+        self.final_stats: dict[int, dict[str, Any]] = {}
+        self.last_stats: dict[int, dict[str, Any]] = {}
+        self.incarnation: Counter[int] = Counter()
+        self._joined_at: dict[int, float] = {}
+        self._lagging_since: dict[int, float] = {}
+        self.counters: Counter[str] = Counter()
+        self.events: list[dict[str, Any]] = []
+        self._target: int | None = None
+        self.stop_requested = threading.Event()
+        self._lock = threading.Lock()
+
+    # -- requests (any thread) ----------------------------------------------------------------
+    def request_scale(self, generators: int) -> None:
+        if type(generators) is not int or not 1 <= generators <= MAX_GENERATORS:
+            raise ValueError(f"--generators must be an integer between 1 and {MAX_GENERATORS}, got {generators!r}")
+        with self._lock:
+            self._target = generators
+
+    def max_generators(self) -> int:
+        """The largest fleet the cluster can hold now: the live generators plus as many more as Ray's free
+        CPUs and GPUs fit (``resources.generator_cpus``/``generator_gpus`` each); any thread."""
+        import ray
+
+        res = self.cluster.cfg.resources
+        free = ray.available_resources()
+        fits = [MAX_GENERATORS]
+        if res.generator_cpus > 0:
+            fits.append(int(free.get("CPU", 0.0) // res.generator_cpus))
+        if res.generator_gpus > 0:
+            fits.append(int(free.get("GPU", 0.0) // res.generator_gpus))
+        with self._lock:
+            live = len(self.handles) - len(self.draining)
+        return min(MAX_GENERATORS, live + min(fits))
+
+    def request_stop(self) -> None:
+        """End the run early: learners stop at a common step boundary and write a final checkpoint."""
+        self.stop_requested.set()
+
+    def status(self) -> dict[str, Any]:
+        with self._lock:
+            return {"generators": sorted(self.handles), "draining": sorted(self.draining),
+                    "target": self._target, **{f"fleet/{k}": v for k, v in dict(self.counters).items()}}
+
+    def pids(self, timeout_s: float = 5.0) -> dict[str, Any]:
+        """Process ids of the learner ranks (by rank) and live generators (by id); any thread. An actor that
+        does not answer within ``timeout_s`` (restarting) is left out."""
+        import ray
+
+        with self._lock:
+            gens = dict(self.handles)
+        refs = {lr.__ray_call__.remote(_actor_pid): ("learners", r) for r, lr in enumerate(self.cluster.learners)}
+        refs.update({g.__ray_call__.remote(_actor_pid): ("generators", gen) for gen, g in gens.items()})
+        refs[self.cluster.buffer.__ray_call__.remote(_actor_pid)] = ("buffer", None)
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
+        out: dict[str, Any] = {"learners": {}, "generators": {}, "buffer": None}
+        for ref in ready:
+            role, key = refs[ref]
+            try:
+                pid = int(ray.get(ref))
+            except ray.exceptions.RayError:
+                continue  # died since
+            if key is None:
+                out[role] = pid
+            else:
+                out[role][str(key)] = pid
+        return out
+
+    def metrics(self) -> dict[str, float]:
+        with self._lock:
+            return {"fleet/generators": float(len(self.handles) - len(self.draining)),
+                    **{f"fleet/{k}": float(v) for k, v in self.counters.items()}}
+
+    # -- driver thread ------------------------------------------------------------------------
+    def start(self) -> None:
+        """Give every generator its stream position (a resumed run continues its data) and start it."""
+        # a durable (Redis) buffer may still hold groups of the run being resumed: those are not issued
+        # again; groups it saw trained after the checkpoint were rolled back with the model and are
+        in_buffer = self._buffer_keys(trained=False)
+        for gen, handle in self.handles.items():
+            self._start_stream(gen, handle, in_buffer)
+
+    def _buffer_keys(self, trained: bool = True) -> list[str]:
+        """Groups the buffer holds, has delivered or (``trained``) saw trained: never issued again (trained
+        ones may not have reached the ledger yet, which learns of them a poll later)."""
+        ledger = self.buffer_client.stats(ledger=True)["ledger"]
+        done = [g for g in ledger["trained"] if g not in self.rolled_back] if trained else []
+        return [*ledger["held"], *ledger["delivered"], *done]
+
+    def _start_stream(self, gen: int, handle: Any, in_buffer: list[str] | None = None) -> None:
+        import ray
+
+        plan = self.ledger.plan(gen, self._buffer_keys() if in_buffer is None else in_buffer)
+        ray.get(handle.resume_stream.remote(plan.position, plan.reissue, plan.skip, self.version))
+        self.runs[gen] = handle.run.remote()
+        if plan.reissue:
+            self.counters["reissued_prompts"] += len(plan.reissue)
+        if plan.reissue or plan.skip:
+            self._event("reissue", gen, prompts=len(plan.reissue), skipped=len(plan.skip), position=plan.position)
+
+    def _event(self, kind: str, gen: int, **extra: Any) -> None:
+        self.events.append({"event": kind, "generator": gen, "time": time.time(), **extra})
+        log.warning("fleet: %s generator %d %s", kind, gen, extra or "")
+
+    def observe(self, stats: dict[int, dict[str, Any]]) -> None:
+        for gen, s in stats.items():
+            self.last_stats[gen] = s
+            self.ledger.observe_position(gen, int(s.get("position", 0)))
+
+    def poll(self) -> None:
+        """Apply a pending scale request and handle generators whose run() ended."""
+        import ray
+
+        with self._lock:
+            target, self._target = self._target, None
+        if target is not None:
+            self._scale_to(target)
+        refs = {ref: gen for gen, ref in self.runs.items()}
+        if not refs:
+            return
+        done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
+        for ref in done:
+            gen = refs[ref]
+            del self.runs[gen]
+            try:
+                self.final_stats[gen] = ray.get(ref)
+            except ray.exceptions.RayActorError as exc:
+                self._restart(gen, exc)
+                continue
+            except ray.exceptions.RayTaskError as exc:  # run() raised: a restart would raise the same
+                cause = exc.cause if exc.cause is not None else exc
+                raise RunFailure(f"generator {gen}: {type(cause).__name__}: {cause}") from exc
+            if gen in self.draining:  # scaled down: every group it started is in the buffer now
+                handle = self.draining.pop(gen)
+                self.ledger.observe_position(gen, int(self.final_stats[gen].get("position", 0)))
+                ray.kill(handle)
+                with self._lock:
+                    self.handles.pop(gen, None)
+                self.counters["removed"] += 1
+                self._event("removed", gen)
+
+    def _scale_to(self, target: int) -> None:
+        import ray
+
+        live = sorted(g for g in self.handles if g not in self.draining)
+        for gen in live[target:][::-1]:
+            ray.get(self.handles[gen].stop.remote(drain=True))
+            self.draining[gen] = self.handles[gen]
+            self._event("draining", gen)
+        free = (g for g in range(MAX_GENERATORS) if g not in self.handles)
+        for _ in range(target - len(live)):
+            gen = next(free)
+            t0 = time.time()
+            handle = self.cluster.new_generator(gen)
+            ray.get(handle.ready.remote())
+            self._join(gen, handle)
+            with self._lock:
+                self.handles[gen] = handle
+            self.counters["added"] += 1
+            self._event("added", gen, start_s=round(time.time() - t0, 1))
+
+    def member_id(self, gen: int) -> str:
+        """The push-group member id of generator ``gen``'s current incarnation."""
+        return f"gen{gen}.{self.incarnation[gen]}" if self.incarnation[gen] else f"gen{gen}"
+
+    def _join(self, gen: int, handle: Any) -> None:
+        """Late join under a fresh member id: the generator loads the next version before it serves."""
+        self.incarnation[gen] += 1
+        self._joined_at[gen] = time.monotonic()
+        self.cluster.join_late(self.member_id(gen), handle)
+        self._start_stream(gen, handle)
+
+    def heal(self, learner_version: int) -> None:
+        """Re-join a live generator the push group dropped (a push timed out on it under load): one that
+        lags the learner by more than the staleness bound can never serve again, and waits forever."""
+        cfg = self.cluster.cfg
+        now = time.monotonic()
+        for gen, handle in list(self.handles.items()):
+            lag = learner_version - int(self.last_stats.get(gen, {}).get("version", learner_version))
+            if lag <= cfg.train.max_staleness + 2:
+                self._lagging_since.pop(gen, None)
+                continue
+            # the learner no longer waits for generators, so a lag of a few versions comes and goes: only one
+            # that lasts a push timeout is a generator the push group dropped
+            since = self._lagging_since.setdefault(gen, now)
+            recent = now - self._joined_at.get(gen, 0.0) < 3 * cfg.sync.timeout_s
+            if gen in self.draining or gen not in self.runs or recent or now - since < cfg.sync.timeout_s:
+                continue
+            self._lagging_since.pop(gen, None)
+            self.incarnation[gen] += 1
+            self._joined_at[gen] = time.monotonic()
+            self.cluster.join_late(self.member_id(gen), handle)
+            self.counters["rejoins"] += 1
+            self._event("rejoined", gen, lag=lag)
+
+    def _restart(self, gen: int, exc: Exception) -> None:
+        import ray
+
+        handle = self.handles[gen]
+        self.cluster.generator_died(self.member_id(gen))  # no push waits for the dead process meanwhile
+        was_draining = self.draining.pop(gen, None) is not None
+        lost_slots = int(self.last_stats.get(gen, {}).get("in_flight", 0))
+        self._event("died", gen, error=type(exc).__name__, in_flight=lost_slots,
+                    position=self.ledger.positions.get(gen, 0),
+                    outstanding=len(self.ledger.outstanding.get(gen, ())))
+        if not _wait_restarted(handle, RESTART_TIMEOUT_S):
+            with self._lock:
+                self.handles.pop(gen, None)
+            self.counters["lost"] += 1
+            self._event("lost", gen)
+            return
+        if lost_slots:  # the admission slots it held died with it; its re-issued prompts are admitted anew
+            self.buffer_client.release(lost_slots)
+        self.counters["restarts"] += 1
+        self._event("restarted", gen)
+        self._join(gen, handle)
+        if was_draining:
+            ray.get(handle.stop.remote(drain=True))
+            self.draining[gen] = handle
+
+    def stop_all(self, timeout_s: float = STOP_TIMEOUT_S) -> list[dict[str, Any]]:
+        """Stop every generator and collect its final stats; one that has not ended within ``timeout_s``
+        (stuck on a dead buffer, say) is left for the caller to kill."""
+        import ray
+
+        for handle in self.handles.values():
+            handle.stop.remote()
+        runs = list(self.runs.values())
+        ended = ray.wait(runs, num_returns=len(runs), timeout=timeout_s)[0] if runs else []
+        for gen, ref in list(self.runs.items()):
+            if ref not in ended:
+                log.error("generator %d did not stop within %.0f s", gen, timeout_s)
+                continue
+            try:
+                self.final_stats[gen] = ray.get(ref)
+            except ray.exceptions.RayError as exc:
+                log.error("generator %d ended with %s", gen, exc)
+        self.runs.clear()
+        for gen, s in self.final_stats.items():
+            self.ledger.observe_position(gen, int(s.get("position", 0)))
+        return [self.final_stats[g] for g in sorted(self.final_stats) if g in self.handles]
+
+
+class ControlServer:
+    """ZeroMQ ROUTER on loopback answering scale, stop, status and pids requests for one :class:`Fleet`.
+
+    A ROUTER, not a REP: a peer that sends several frames or never reads its reply cannot wedge the socket's
+    request/reply state for everyone else (``send_control``'s REQ socket talks to it unchanged)."""
+
+    def __init__(self, fleet: FleetControl, run_dir: Path, host: str = "127.0.0.1") -> None:
+        import zmq
+
+        self.fleet = fleet
+        self._ctx = zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)  # a larger frame drops its peer unread
+        port = self._sock.bind_to_random_port(f"tcp://{host}")
+        self.address = f"tcp://{host}:{port}"
+        self.file = run_dir / CONTROL_FILE
+        self.file.write_text(json.dumps({"address": self.address, "pid": _pid()}))
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="control", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                if not self._sock.poll(200):
+                    continue
+                frames = self._sock.recv_multipart()
+                # the routing id and, from a REQ peer, its empty delimiter; then the request's own frames
+                envelope = frames[:2] if len(frames) > 1 and frames[1] == b"" else frames[:1]
+                reply = self._answer(frames[len(envelope):])
+                self._sock.send_multipart([*envelope, json.dumps(reply).encode()])
+            except Exception:  # noqa: BLE001 - the endpoint outlives any one request
+                log.exception("control endpoint: a request could not be answered; serving on")
+
+    def _answer(self, body: list[bytes]) -> dict[str, Any]:
+        try:
+            if len(body) != 1:
+                raise RequestError(f"a request is one frame, got {len(body)}")
+            return self._handle(parse_request(body[0], self.fleet.max_generators))
+        except RequestError as exc:
+            return {"ok": False, "error": str(exc)}
+        except Exception as exc:  # noqa: BLE001 - e.g. Ray failing under a status request
+            return {"ok": False, "error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+
+    def _handle(self, msg: dict[str, Any]) -> dict[str, Any]:
+        op = msg["op"]
+        if op == "scale":
+            self.fleet.request_scale(msg["generators"])
+            return {"ok": True, "applied_at": "next progress poll (membership at the next version boundary)"}
+        if op == "stop":
+            self.fleet.request_stop()
+            return {"ok": True, "applied_at": "learners stop at the next common step, with a checkpoint"}
+        if op == "status":
+            return {"ok": True, **self.fleet.status()}
+        return {"ok": True, **self.fleet.pids()}
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+        self._sock.close(0)
+        self.file.unlink(missing_ok=True)
+
+
+def _wait_restarted(handle: Any, timeout_s: float) -> bool:
+    """True once Ray has restarted the actor (a new engine starts); False if it is gone for good."""
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(handle.ready.remote(), timeout=min(30.0, max(1.0, deadline - time.monotonic())))
+            return True
+        except (ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
+            time.sleep(1.0)  # restarting: its process and engine are still coming up
+        except ray.exceptions.RayActorError:
+            return False  # out of restarts (run.generator_max_restarts) or killed on purpose
+    return False
+
+
+def _pid() -> int:
+    import os
+
+    return os.getpid()
+
+
+def _actor_pid(actor: Any) -> int:
+    """Runs inside an actor (``__ray_call__``): the id of its process."""
+    return _pid()
+
+
+def send_control(run_dir: str | Path, msg: dict[str, Any], timeout_s: float = 10.0) -> dict[str, Any]:
+    """Client side of the endpoint; raises RuntimeError with what to check when no run answers."""
+    import zmq
+
+    f = Path(run_dir) / CONTROL_FILE
+    if not f.is_file():
+        raise RuntimeError(f"{f} not found: no run with a control endpoint is active in {run_dir}")
+    address = json.loads(f.read_text())["address"]
+    sock = zmq.Context.instance().socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    try:
+        sock.send(json.dumps(msg).encode())
+        if not sock.poll(int(timeout_s * 1000)):
+            raise RuntimeError(f"the run at {address} (from {f}) did not answer within {timeout_s:g} s; "
+                               "it may have ended")
+        return json.loads(sock.recv().decode())
+    finally:
+        sock.close(0)

@@ -1,0 +1,334 @@
+"""One training run: start the cluster (:mod:`async_rlhf.driver.cluster`), train while polling every role, and
+finish: checkpoints, metrics.jsonl, TensorBoard, plots, the policy and summary.json."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from async_rlhf.config import Config
+from async_rlhf.driver.cluster import Cluster, heldout_accuracy, resolve_model
+
+log = logging.getLogger(__name__)
+
+
+class LearnerFailure(RuntimeError):
+    """A learner rank died or raised: the job stops (the driver names the checkpoint to resume from)."""
+
+    def __init__(self, failed: dict[int, str]) -> None:
+        self.ranks = sorted(failed)
+        super().__init__("; ".join(f"learner rank {r} failed ({why})" for r, why in sorted(failed.items())))
+
+
+def failed_learners(train_refs: list[Any], wait_s: float = 10.0) -> dict[int, str]:
+    """Ranks whose ``train()`` ended in an error (a killed process included), with the error's first line.
+
+    Waits up to ``wait_s`` for Ray to notice a death (the call that failed first may be another method)."""
+    import ray
+
+    deadline = time.monotonic() + wait_s
+    failed: dict[int, str] = {}
+    while not failed:
+        # timeout=0: the ranks that survive block in a collective with the dead one, so waiting for all of
+        # them would always take the whole wait_s
+        done, _ = ray.wait(train_refs, num_returns=len(train_refs), timeout=0)
+        for ref in done:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayError as exc:
+                first = (str(exc).strip().splitlines() or [""])[0]
+                failed[train_refs.index(ref)] = f"{type(exc).__name__}: {first}"
+        if time.monotonic() >= deadline or len(done) == len(train_refs):
+            break
+        time.sleep(0.2)
+    return failed
+
+
+def stop_stalled(cluster: Cluster, gen_stats: list[dict[str, Any]], buf: dict[str, Any], stalled_s: float) -> None:
+    """Print what every role is doing and raise :class:`RunFailure` with the likely cause."""
+    import ray
+
+    from async_rlhf.driver.fleet import RunFailure
+    from async_rlhf.driver.stall import diagnose_stall, role_lines
+
+    refs = [lr.current_state.remote() for lr in cluster.learners]
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=5.0)
+    states = [ray.get(r) if r in ready else "not answering" for r in refs]
+    for line in role_lines(gen_stats, buf, states):
+        print(f"stalled: {line}", flush=True)
+    raise RunFailure(diagnose_stall(gen_stats, buf, states, stalled_s))
+
+
+def _progress_line(rec: dict[str, Any], steps: int, acc: str, tok_s: float, depth: int, elapsed: float) -> str:
+    return (f"step {rec['step']:>4}/{steps} | v{rec['version']:<4} | reward {rec['rollout/reward_mean']:.3f} | "
+            f"{acc} | gen {tok_s:7.0f} tok/s | staleness {rec['staleness/mean']:.2f} | "
+            f"buffer {depth:>3} | {elapsed:5.0f}s")
+
+
+def train(cfg: Config, cluster: Cluster, run_dir: Path, resume: Path | None = None,
+          on_fleet: Any = None, stop: threading.Event | None = None) -> dict[str, Any]:
+    """Run the learners for ``train.steps`` while the generators stream rollouts; returns run figures.
+
+    ``resume``: a committed checkpoint to continue from (model, optimizer, version, data position);
+    ``on_fleet``: called with the :class:`async_rlhf.driver.fleet.Fleet` once it runs (tests scale through it);
+    ``stop``: set (by a signal handler) to end the run early like a stop request, also ``train.max_time_s``.
+    """
+    import ray
+
+    from async_rlhf.buffer.build import make_client
+    from async_rlhf.driver.buffer_watch import BufferWatch
+    from async_rlhf.driver.fleet import ControlServer, Fleet
+    from async_rlhf.driver.metrics import MetricsWriter
+    from async_rlhf.driver.progress import TrainProgress
+    from async_rlhf.driver.progress_rates import TokenRate, fresh_evals
+    from async_rlhf.driver.stopping import stop_reason
+    from async_rlhf.evaluation import eval_label, eval_record, heldout_label
+
+    run_dir.mkdir(parents=True, exist_ok=True)  # a bench's run in a fresh directory
+    progress = TrainProgress.start(cfg, cluster, run_dir, resume)
+    writer = MetricsWriter(run_dir)
+    buffer = make_client(cfg, cluster.buffer_address, consumer="launcher")
+    watch = BufferWatch(cluster, buffer)
+    t_start = time.time()
+    fleet = Fleet(cluster, progress.ledger, buffer, progress.version, rolled_back=progress.rolled_back)
+    fleet.start()
+    control = ControlServer(fleet, run_dir) if cfg.run.control else None
+    if on_fleet is not None:
+        on_fleet(fleet)
+    train_refs = [lr.train.remote(cfg.train.steps - progress.step) for lr in cluster.learners]
+    records: list[dict[str, Any]] = []
+    written_versions: set[int] = set()
+    last_print = 0.0
+    rate = TokenRate()
+    tok_s = 0.0
+    acc = heldout_label(cfg)
+    evals: list[dict[str, float]] = []  # every held-out evaluation written, in version order
+    stopping = False
+    why: str | None = None
+    try:
+        pending = list(train_refs)
+        last_progress = last_buffer_check = time.time()
+        while pending:
+            done, pending = ray.wait(pending, timeout=0.5)
+            ray.get(done)  # surfaces a learner failure at once
+            fleet.poll()
+            if not stopping and why is None:
+                why = stop_reason(cfg, time.time() - t_start, stop is not None and stop.is_set(),
+                                  fleet.stop_requested.is_set())
+                if why is not None:
+                    fleet.request_stop()
+                    print(f"stopping on {why}: the learners finish their step and write a checkpoint", flush=True)
+            if fleet.stop_requested.is_set() and not stopping:
+                stopping = True  # ranks are within a step of each other: stop them all a few steps ahead
+                at = max(ray.get([lr.current_step.remote() for lr in cluster.learners])) + 3
+                ray.get([lr.request_stop.remote(at) for lr in cluster.learners])
+            gen_stats = progress.generator_stats(fleet)
+            if records:
+                fleet.heal(records[-1]["version"])
+            new = ray.get(cluster.learners[0].metrics_since.remote(len(records)))
+            if time.time() - last_buffer_check > 2.0:
+                watch.check()  # a dead buffer actor: one clear error; a restarting one is waited for
+                last_buffer_check = time.time()
+            buf = watch.stats()
+            now = time.time()
+            # per generator: a restarted one's counters start again from 0 (never a negative rate)
+            tok_s = rate.update(now, {int(s["gen_id"]): float(s["tokens"]) for s in gen_stats})
+            evaluator = [s for s in gen_stats if s.get("gen_id") == 0]  # generator 0 evaluates
+            for ev in fresh_evals(written_versions, evaluator[0]["evals"] if evaluator else []):
+                writer.write(eval_record(ev), int(ev["version"]))
+                evals.append(ev)
+                acc = eval_label(ev)
+            for rec in new:
+                # buffer counters (depth, drops and rejects by reason, ...) and the staleness histogram
+                rec.update({k: v for k, v in buf.items() if k.startswith("buffer/") and isinstance(v, (int, float))})
+                rec.update({"rollout/gen_tokens_per_s": tok_s, "staleness/hist": buf.get("staleness/hist", {})})
+                rec.update(fleet.metrics())
+                if gen_stats:  # how long generators stand still per weight update (the slowest one)
+                    rec.update({f"sync/gen_{k}": max(float(s.get(f"sync/{k}", 0.0)) for s in gen_stats)
+                                for k in ("pause_s_last", "pause_s_mean")})
+                    rec["sync/gen_coalesced"] = sum(float(s.get("sync/coalesced", 0.0)) for s in gen_stats)
+                    rec["sync/gen_updates"] = sum(float(s.get("updates", 0.0)) for s in gen_stats)
+                progress.before_write(rec)
+                writer.write(rec, rec["step"])
+                progress.after_write(rec)
+            records += new
+            if new:
+                last_progress = now
+            elif cfg.run.stall_timeout_s and now - last_progress > cfg.run.stall_timeout_s:
+                stop_stalled(cluster, gen_stats, buf, now - last_progress)
+            if records and now - last_print >= cfg.run.log_every_s:
+                last_print = now
+                print(_progress_line(records[-1], cfg.train.steps, acc, tok_s, buf.get("buffer/depth", 0),
+                                     now - t_start),
+                      flush=True)
+        wall = time.time() - t_start
+    except ray.exceptions.RayError as exc:
+        # any call to a dead learner fails (its train() ref, metrics, trained ids): name the rank, stop the job;
+        # only checkpoints whose every rank finished saving were committed, the newest is the one to resume
+        failed = failed_learners(train_refs)
+        if not failed:
+            raise
+        print(progress.failure_hint(), flush=True)
+        raise LearnerFailure(failed) from exc
+    finally:
+        if control is not None:
+            control.close()
+        gen_final = fleet.stop_all()
+        buffer.close()
+        writer.close()
+        progress.close()
+    timelines = ray.get([g.timeline_dict.remote() for g in fleet.handles.values()]
+                        + [lr.timeline_dict.remote() for lr in cluster.learners])
+    leftover = ray.get(cluster.buffer.drop_held.remote("unconsumed_at_shutdown"))
+    if leftover:
+        print(f"{leftover} finished prompt group(s) were still in the buffer at the end: counted as dropped "
+              "(unconsumed_at_shutdown)", flush=True)
+    tokens = sum(s["tokens"] for s in gen_final)
+    push_times = [r["sync/push_s"] for r in records if "sync/push_s" in r]
+    return {
+        "records": records,
+        "evals": evals + fresh_evals(written_versions, [e for s in gen_final if s.get("gen_id") == 0
+                                                        for e in s.get("evals", [])]),
+        "wall_time_s": wall,
+        "t_start": t_start,
+        "generated_tokens_per_s": tokens / wall,
+        "learner_samples_per_s": sum(r["rollout/samples"] for r in records) / wall,
+        "weight_push_s": sum(push_times) / len(push_times) if push_times else 0.0,
+        "generator_stats": gen_final,
+        "timelines": timelines,
+        "fleet": {"events": fleet.events, **fleet.status()},
+        "prompt_ledger": progress.ledger,
+        "first_step": progress.step,
+        "stop_reason": why or "train.steps",
+    }
+
+
+def write_timeline(figures: dict[str, Any], run_dir: Path) -> dict[str, float]:
+    """timeline.json and timeline.png in the run directory; returns busy fractions per role kind."""
+    from async_rlhf.plots import plot_timeline, role_busy_fraction
+
+    timelines = figures["timelines"]
+    (run_dir / "timeline.json").write_text(json.dumps(timelines))
+    plot_timeline(timelines, figures["t_start"], run_dir / "timeline.png")
+    fractions: dict[str, list[float]] = {}
+    for tl in timelines:
+        fractions.setdefault(str(tl["role"]).split()[0], []).append(role_busy_fraction(tl))
+    return {**{f"{kind}_busy_fraction": sum(v) / len(v) for kind, v in fractions.items()},
+            **learner_fractions([tl for tl in timelines if str(tl["role"]).startswith("learner")])}
+
+
+def learner_fractions(learners: list[dict[str, Any]]) -> dict[str, float]:
+    """Mean over learner ranks of the share of wall time spent computing on batches
+    (``learner_compute_fraction``) and waiting for a weight push beyond its own transfer, i.e. for the push
+    thread to finish before the optimizer step (``learner_push_wait_fraction``)."""
+    from async_rlhf.learner.actor import COMPUTE
+    from async_rlhf.timeline import busy_fraction
+
+    if not learners:
+        return {}
+    n = len(learners)
+    return {"learner_compute_fraction": sum(busy_fraction(tl["totals"], COMPUTE) for tl in learners) / n,
+            "learner_push_wait_fraction": sum(busy_fraction(tl["totals"], ("push_wait",)) for tl in learners) / n}
+
+
+def run(cfg: Config, address: str | None = None, cache_root: Path = Path("runs/cache"),
+        resume: Path | None = None, stop: threading.Event | None = None) -> dict[str, Any]:
+    """Everything ``launch/cluster.py`` does after validation; returns the summary it writes.
+
+    ``resume``: a committed checkpoint (``async_rlhf.driver.checkpoints.resolve_resume``) to continue from;
+    ``stop``: set to end the run early (the launcher's SIGINT/SIGTERM handler), with a checkpoint and summary.
+    """
+    from async_rlhf.config import make_paths_absolute
+    from async_rlhf.driver.checkpoints import check_run_dir, clear_run_dir
+    from async_rlhf.driver.stopping import catch_stop_signals
+    from async_rlhf.evaluation import BUILTIN_HELDOUT, eval_figures, eval_summary, eval_text
+
+    make_paths_absolute(cfg)  # the learners write checkpoints here from their own working directories
+    run_dir = Path(cfg.run.dir)
+    cache_root = cache_root.resolve()
+    check_run_dir(run_dir, resume is not None, cfg.run.overwrite)  # (the launcher refused it already)
+    if resume is None and cfg.run.overwrite:
+        clear_run_dir(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_text(cfg.to_json())
+    t0 = time.time()
+    if resume is not None:
+        # a copy: pruning deletes old checkpoints, and restarted actors (and save_hf's tokenizer files) still
+        # read the directory they started from
+        import shutil
+
+        model_path = str(run_dir / "resumed_policy")
+        shutil.rmtree(model_path, ignore_errors=True)
+        shutil.copytree(resume / "policy", model_path)
+    else:
+        model_path = resolve_model(cfg, cache_root)
+    builtin = cfg.task.name in BUILTIN_HELDOUT
+    start_acc = end_acc = None
+    if builtin:
+        start_acc = heldout_accuracy(model_path, cfg)
+        print(f"policy {model_path}: held-out greedy accuracy {start_acc:.3f} before RL", flush=True)
+    elif not cfg.prompts.eval_path:
+        print(f"task.name={cfg.task.name} has no held-out set of its own: no held-out figure is reported; give "
+              "one with prompts.eval_path=FILE (JSONL or Parquet, scored by rewards.sources)", flush=True)
+    cluster = Cluster(cfg, model_path, address)
+    if stop is not None:
+        catch_stop_signals(stop)  # ray.init replaced the SIGTERM handler
+    try:
+        (run_dir / "cpu_plan.json").write_text(json.dumps(cluster.cpu_plan.to_dict(), indent=2))
+        print(f"started {cfg.generators} generator(s), {cfg.learners} learner(s), buffer at "
+              f"{cluster.buffer_address} in {time.time() - t0:.0f}s", flush=True)
+        # the user's held-out set, scored while the cluster is up (a reward model's actors run on Ray)
+        eval_start = eval_figures(model_path, cfg)
+        if eval_start is not None:
+            print(f"policy {model_path}: {eval_text(eval_start)} on {cfg.prompts.eval_path} before RL", flush=True)
+        figures = train(cfg, cluster, run_dir, resume=resume, stop=stop)
+        policy_dir = cluster.save_policy(run_dir / "policy")
+        try:
+            eval_end = eval_figures(policy_dir, cfg)
+        except Exception as exc:  # noqa: BLE001 - the run is done: its summary is still written, without it
+            eval_end = None
+            log.warning("the held-out evaluation of the final policy failed: %s: %s", type(exc).__name__, exc)
+    finally:
+        cluster.shutdown()
+    if builtin:
+        end_acc = heldout_accuracy(policy_dir, cfg)
+    from async_rlhf.plots import plot_learning_curve
+
+    curve = [{"version": e["version"], "accuracy": e.get("accuracy", e.get("reward_mean", 0.0))}
+             for e in figures["evals"]]
+    first, last = ((eval_start["reward_mean"], eval_end["reward_mean"]) if eval_start and eval_end
+                   else (start_acc, end_acc))
+    plot_learning_curve(figures["records"], curve, run_dir / "learning_curve.png", first, last)
+    busy = write_timeline(figures, run_dir)
+    records = figures["records"]
+    summary = {
+        **({"accuracy_start": start_acc, "accuracy_end": end_acc} if builtin else {}),
+        **eval_summary(eval_start, eval_end),
+        "wall_time_s": time.time() - t0,
+        "train_wall_time_s": figures["wall_time_s"],
+        "generated_tokens_per_s": figures["generated_tokens_per_s"],
+        "learner_samples_per_s": figures["learner_samples_per_s"],  # every rank's samples (records are reduced)
+        "learner_ranks": cfg.learners,
+        "weight_push_s": figures["weight_push_s"],
+        **busy,
+        "steps": int(records[-1]["step"]) if records else figures["first_step"],
+        "steps_configured": cfg.train.steps,
+        "stop_reason": figures["stop_reason"],
+        "final_version": records[-1]["version"] if records else 0,
+        "policy_dir": policy_dir,
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    held = [f"held-out greedy accuracy {start_acc:.3f} -> {end_acc:.3f}"] if builtin else []
+    if eval_start and eval_end:
+        acc = (f", accuracy {eval_start['accuracy']:.3f} -> {eval_end['accuracy']:.3f}"
+               if "accuracy" in eval_start and "accuracy" in eval_end else "")
+        held.append(f"held-out eval reward {eval_start['reward_mean']:.3f} -> {eval_end['reward_mean']:.3f}{acc}")
+    print(f"{'; '.join(held) or 'no held-out figure'}; {summary['steps']} steps in {summary['wall_time_s']:.0f}s "
+          f"({summary['generated_tokens_per_s']:.0f} generated tok/s, {summary['learner_samples_per_s']:.1f} "
+          f"samples/s trained, {summary['weight_push_s'] * 1000:.0f} ms per weight push); "
+          f"run written to {run_dir}", flush=True)
+    return summary

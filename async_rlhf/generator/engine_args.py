@@ -1,0 +1,105 @@
+"""What the generator asks of vLLM (pure: config in, keyword arguments of ``vllm.LLM`` out), and the version
+stamp of the tokens an engine step returns.
+
+Per-device defaults (``generator.*`` set to auto / 0 picks them)::
+
+                          CPU (resources.generator_gpus=0)     GPU
+    enforce_eager         on (compiling costs ~20 s here)      off (CUDA graphs)
+    gpu_memory_utilization 0.3 (unused by the CPU backend)     0.9 on a whole GPU, 0.9 x the share when
+                                                               resources.generator_gpus < 1 (a shared GPU)
+    dtype                 model.dtype                          model.dtype
+    max_model_len         model.max_model_len                  model.max_model_len
+    tensor_parallel_size  1                                    resources.tensor_parallel
+    async_scheduling      off (in_flight) / vLLM's (drain)     same: see VersionClock
+
+Async scheduling (on by default on GPU): a step returns the tokens of the step before while the next one is
+already computing, so a swap between two steps would let tokens of the old weights come back after it. With
+in-flight updates it is turned off; with drain updates nothing is in flight at a swap, so it may stay on.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from async_rlhf.config import Config
+
+CPU_MEMORY_UTILIZATION = 0.3
+"""What the CPU engine has always been given (its KV cache is VLLM_CPU_KVCACHE_SPACE instead)."""
+GPU_MEMORY_UTILIZATION = 0.9
+"""A dedicated GPU: vLLM's own default is 0.92; a little head room for the receive arena of the push."""
+
+
+def engine_kwargs(cfg: Any) -> dict[str, Any]:
+    """Keyword arguments of ``vllm.LLM`` for one generator under ``cfg`` (besides model, seed, extension)."""
+    gen, res = cfg.generator, cfg.resources
+    on_gpu = res.generator_gpus > 0
+    if gen.enforce_eager == "auto":
+        eager = not on_gpu
+    else:
+        eager = gen.enforce_eager == "on"
+    util = gen.gpu_memory_utilization
+    if util == 0:
+        share = res.generator_gpus / res.tensor_parallel if on_gpu else 1.0
+        util = GPU_MEMORY_UTILIZATION * min(share, 1.0) if on_gpu else CPU_MEMORY_UTILIZATION
+    out: dict[str, Any] = {
+        "dtype": cfg.model.dtype if gen.dtype == "auto" else gen.dtype,
+        "enforce_eager": eager,
+        "max_model_len": gen.max_model_len or cfg.model.max_model_len,
+        "gpu_memory_utilization": round(util, 4),
+        "tensor_parallel_size": res.tensor_parallel,
+    }
+    if gen.update_mode == "in_flight":
+        out["async_scheduling"] = False  # see the module docstring
+    return out
+
+
+def engine_lag(kwargs: dict[str, Any], on_gpu: bool) -> int:
+    """Steps between computing a token and returning it: 1 under async scheduling (vLLM's default on GPU
+    when not set), else 0."""
+    asynchronous = kwargs.get("async_scheduling")
+    if asynchronous is None:
+        asynchronous = on_gpu
+    return 1 if asynchronous else 0
+
+
+class VersionClock:
+    """The version of the weights that computed the tokens an engine step returns.
+
+    An engine with lag L returns at step n the tokens it computed at step n - L, with the weights live then::
+
+        step        1    2    3    4    5        swap to v1 between steps 2 and 3
+        live        v0   v0   v1   v1   v1
+        L=0 stamp   v0   v0   v1   v1   v1
+        L=1 stamp   v0   v0   v0   v1   v1       (step 3 returns what step 2 computed)
+
+    A step with nothing in flight (``idle``) leaves nothing computed with older weights behind.
+    """
+
+    def __init__(self, lag: int) -> None:
+        if lag < 0:
+            raise ValueError(f"an engine's lag is 0 or more steps, got {lag}")
+        self._recent: deque[int] = deque(maxlen=lag + 1)
+
+    def step(self, live: int) -> int:
+        """Call at every engine step with the version live now; the stamp of the tokens it returns."""
+        self._recent.append(live)
+        return self._recent[0]
+
+    def idle(self) -> None:
+        """Nothing is in flight in the engine."""
+        self._recent.clear()
+
+
+def engine_env(cfg: Config) -> dict[str, str]:
+    """The environment a vLLM engine process needs (a generator actor's runtime env, or in-process for offline
+    inference): vLLM's engine core in the same process, its KV cache size and threads from the config."""
+    return {
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_CPU_KVCACHE_SPACE": str(cfg.generator.kv_cache_gib),
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "OMP_NUM_THREADS": str(cfg.generator.threads),
+        "VLLM_LOGGING_LEVEL": "ERROR",
+        "TOKENIZERS_PARALLELISM": "false",
+    }

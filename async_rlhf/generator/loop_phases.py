@@ -1,0 +1,144 @@
+"""The generator loop's phases, one pass each: swap in a staged version, start held-out requests, admit groups,
+step the engine. :class:`~async_rlhf.generator.actor.GeneratorActor` runs them in turn (see its module's
+diagram); they live here, on a mixin, so each can be driven with a stand-in engine in a unit test.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from async_rlhf.buffer.client import with_retry
+from async_rlhf.generator.groups import GroupRunner
+from async_rlhf.generator.stream import PromptStream, group_id
+from async_rlhf.rewards.base import Completion
+
+EVAL_PREFIX = "eval:"
+UPDATE_POLL_S = 0.005
+"""How often the loop asks the worker whether a new version has arrived (a collective_rpc round trip)."""
+
+
+@dataclass
+class LoopState:
+    """What one pass of the generator's loop leaves for the next."""
+
+    staged: int | None = None
+    """The newest version the workers have staged (None: nothing new since the last load)."""
+    last_poll: float = 0.0
+    last_refused: float = 0.0
+    """When the buffer last admitted fewer groups than asked (admission is not asked again for 5 ms)."""
+    eval_version: int = -1
+    eval_pending: int = 0
+    eval_out: dict[str, Completion] = field(default_factory=dict)
+
+
+class LoopPhases:
+    """Mixin of :class:`~async_rlhf.generator.actor.GeneratorActor`: the attributes it reads (``cfg``, ``engine``,
+    ``version``, ``timeline``, ...) are the actor's."""
+
+    cfg: Any
+    gen_id: int
+    engine: Any
+    version: int
+    timeline: Any
+    counters: dict[str, Any]
+    policy: Any
+    chat: Any
+
+    def _swap_phase(self, st: LoopState) -> bool:
+        """A weight update, received by the worker's fetch thread while the engine keeps generating, swapped in
+        at a step boundary (in_flight) or once nothing is in flight (drain). True: this pass is done (a version
+        was loaded, or a late joiner waits for its first one)."""
+        drain = self.cfg.generator.update_mode == "drain"
+        now = time.monotonic()
+        if now - st.last_poll >= UPDATE_POLL_S or self._awaiting_first:
+            st.last_poll = now
+            st.staged = self._staged()
+        if st.staged is not None and st.eval_pending == 0 and (not drain or len(self._groups) == 0) and (
+                self._awaiting_first or self._swap_due(st.staged, now)):
+            self._load_version()
+            st.staged = None
+            return True
+        if self._awaiting_first:  # a late joiner serves nothing before its first version
+            self.timeline.enter("paused_for_push")
+            time.sleep(0.002)
+            return True
+        return False
+
+    def _eval_phase(self, st: LoopState, eval_params: Any) -> None:
+        """Held-out greedy requests on generator 0 when its version reaches a multiple of ``eval_every``."""
+        every = self.cfg.generator.eval_every
+        if (self.gen_id == 0 and every and st.eval_pending == 0 and self.version % every == 0
+                and self.version != st.eval_version):
+            st.eval_version = self.version
+            for i, ids in enumerate(self._heldout_ids):
+                self.engine.add_request(f"{EVAL_PREFIX}{i}", {"prompt_token_ids": ids}, eval_params)
+                st.eval_pending += 1
+
+    def _admit_phase(self, st: LoopState, client: Any, problems: PromptStream, source: Any, runner: GroupRunner,
+                     patience: float) -> None:
+        """Ask the buffer to admit more groups (staleness rule) while fewer than ``groups_in_flight`` run."""
+        gen_cfg = self.cfg.generator
+        drain = gen_cfg.update_mode == "drain"
+        want = gen_cfg.groups_in_flight - len(self._groups)
+        if (want <= 0 or (st.staged is not None and drain) or self._draining.is_set()
+                or time.monotonic() - st.last_refused <= 0.005):
+            return
+        want = min(want, problems.reissue_left + source.prefetch(want))  # prompts ready now
+        granted, live = with_retry(lambda: client.admit(want), "admit", patience) if want else (0, 0)
+        if granted < want or want == 0:
+            st.last_refused = time.monotonic()
+        if granted and live > self.version and not drain and st.eval_pending == 0:
+            # the buffer's version is held by every generator (it is set once the push is acknowledged):
+            # serve it before starting these groups, or they are born stale
+            st.staged = self._staged()
+            if st.staged is not None and st.staged >= live:
+                self._load_version()
+                st.staged = None
+        for _ in range(granted):
+            seq, prompt = next(problems)
+            self._position = max(self._position, problems.position)
+            prompt, ids = self.chat.prepare(prompt)  # chat messages through the template
+            runner.start(group_id(self.gen_id, self._run_tag, seq), prompt, ids)
+        if granted:
+            runner.pump()  # the new groups' first turns reach the engine
+
+    def _step_phase(self, st: LoopState, runner: GroupRunner, rewards: Any) -> None:
+        """One engine step: new tokens stamped with the version that computed them, finished held-out requests
+        collected; or, with nothing for the engine, a short wait while environments and late rewards run."""
+        if not self.engine.has_unfinished_requests():
+            self._clock.idle()
+            # idle with groups in flight: they await their environment or a late reward
+            self.timeline.enter("wait_env_or_reward" if self._groups else "wait_admission")
+            time.sleep(0.002)
+            runner.pump()  # environments and late rewards awaiting something other than the engine
+            return
+        self.timeline.enter("generate")
+        outputs = self.engine.step()
+        stamp = self._clock.step(self.version)
+        finished = False
+        for out in outputs:
+            if out.request_id.startswith(EVAL_PREFIX):
+                if out.finished:
+                    self._eval_output(st, out, rewards, runner)
+                continue
+            c = out.outputs[0]
+            lps = [lp[tok].logprob for tok, lp in zip(c.token_ids, c.logprobs or [])]
+            self.counters["tokens"] += len(c.token_ids)
+            self.policy.on_output(out.request_id, list(c.token_ids), lps, stamp,
+                                  c.finish_reason if out.finished else None)
+            finished = finished or out.finished
+        if finished or runner.reward_tasks or time.monotonic() - runner.last_pump > 0.01:
+            runner.pump()
+
+    def _eval_output(self, st: LoopState, out: Any, rewards: Any, runner: GroupRunner) -> None:
+        c = out.outputs[0]
+        rid = out.request_id
+        st.eval_out[rid] = Completion(self._decode(list(c.token_ids)), c.token_ids, c.finish_reason or "stop",
+                                      self._heldout_ids[int(rid[len(EVAL_PREFIX):])])
+        st.eval_pending -= 1
+        if st.eval_pending == 0:
+            self._record_eval(st.eval_version, st.eval_out, rewards, runner)
+            st.eval_out = {}
+

@@ -1,0 +1,62 @@
+"""Small collectives over the learner ranks (the default process group: gloo on CPU, NCCL with
+``learner.backend=nccl``): a step's record made to describe the whole step, counts summed, a maximum taken. Each
+is collective: every rank calls it, in order. The tensors go where the group's backend takes them (NCCL refuses
+CPU tensors) and come back to the CPU."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def group_device() -> Any:
+    """Where the default group's collectives take their tensors: this rank's GPU under NCCL, else the CPU."""
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+SUMMED = ("rollout/samples", "rollout/tokens", "rollout/observation_tokens")
+AVERAGED = ("rollout/reward_mean", "staleness/mean", "optim/loss", "rollout/task_reward_mean", "rollout/rm_score_mean")
+MAXED = ("staleness/max",)
+
+
+def reduce_across_ranks(record: dict[str, Any]) -> None:
+    """Make a step's record describe the whole step, not one rank's share: counts summed, means averaged
+    (every rank trains the same number of groups), maxima taken over ranks; in place, collective on every
+    rank of the learners' default group."""
+    import torch
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    keys = [k for k in SUMMED + AVERAGED if k in record]
+    device = group_device()
+    sums = torch.tensor([float(record[k]) for k in keys], dtype=torch.float64, device=device)
+    dist.all_reduce(sums, op=dist.ReduceOp.SUM)
+    maxima = torch.tensor([float(record.get(k, 0)) for k in MAXED], dtype=torch.float64, device=device)
+    dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
+    for k, v in zip(keys, sums.tolist()):
+        record[k] = int(v) if k in SUMMED else v / world
+    record.update({k: int(v) for k, v in zip(MAXED, maxima.tolist())})
+    record["learner_ranks"] = world
+
+
+def sum_over_ranks(counts: Any) -> None:
+    """Sum a small CPU tensor over the learner ranks, in place."""
+    import torch.distributed as dist
+
+    on_group = counts.to(group_device())
+    dist.all_reduce(on_group, op=dist.ReduceOp.SUM)
+    if on_group is not counts:
+        counts.copy_(on_group)
+
+
+def max_over_ranks(value: int) -> int:
+    """The largest ``value`` of any learner rank."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([value], dtype=torch.int64, device=group_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())

@@ -1,0 +1,94 @@
+"""Every benchmark runs at tiny sizes into a directory that does not exist yet and writes the JSON its docstring
+promises (keys checked, never a timing). A benchmark nobody runs rots: this is what keeps them runnable.
+
+The stack benchmarks start from the tiny random-weight model (``model.path=``), two learner steps each; the
+figures mean nothing here, only that every code path of the script runs to the end. ``bench/pipeline.py`` has
+its own test (tests/integration/test_pipeline_bench.py, the standalone phase); ``bench/vs_trl.py`` runs only
+where the bench extra (TRL) is installed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY_RUN = ["generator.eval_every=0", "train.batch_size=2", "train.group_size=2", "generator.max_new_tokens=6",
+            "generator.groups_in_flight=2", "run.checkpoint_every=0"]
+
+
+def run_bench(script: str, args: list[str], out: Path, timeout_s: float = 600) -> dict:
+    assert not out.parent.exists()
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / script), *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout_s, check=False)
+    assert proc.returncode == 0, f"{script} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}"
+    return json.loads(out.read_text())
+
+
+def test_buffer_bench(tmp_path: Path) -> None:
+    out = tmp_path / "new" / "buffer.json"
+    data = run_bench("buffer.py", ["--quick", "--seconds", "0.1", "--repeats", "1", "--out", str(out)], out)
+    stores = {r["store"] for r in data["rows"]}
+    assert {"memory", "redis"} <= stores
+    assert all({"payload_bytes", "msgs_per_s", "raw_msgs_per_s", "ratio", "p99_ms"} <= set(r) for r in data["rows"])
+
+
+def test_weight_sync_bench(tmp_path: Path) -> None:
+    out = tmp_path / "new" / "weight_sync.json"
+    data = run_bench("weight_sync.py", ["--quick", "--sizes", "0.2", "--receivers", "1", "--dtypes", "float32",
+                                        "--layouts", "few_large", "--storage", "flat", "--reps", "2",
+                                        "--out", str(out)], out)
+    (row,) = data["rows"]
+    assert row["receivers"] == 1 and row["dtype"] == "float32" and {"bytes", "push_s", "raw_s", "ratio"} <= set(row)
+
+
+def test_learner_memory_bench(tmp_path: Path) -> None:
+    out = tmp_path / "new" / "memory.json"
+    data = run_bench("learner_memory.py", ["--quick", "--seq-lens", "128", "--out", str(out)], out)
+    rows = data["rows"]
+    assert {r["mode"] for r in rows} == {"padded", "packed", "packed_chunked"}
+    assert all({"seq_len", "vocab", "mode", "peak_mb", "samples_per_s"} <= set(r) for r in rows)
+    assert all(r["seq_len"] == 128 and r["peak_mb"] > 0 for r in rows)
+
+
+def test_staleness_bench(tmp_path: Path, tiny_model_dir: Path) -> None:
+    out = tmp_path / "new" / "staleness.json"
+    data = run_bench("staleness.py", ["--quick", "--steps", "2", "--staleness", "1", "--corrections", "none",
+                                      "--out", str(out), f"model.path={tiny_model_dir}", *TINY_RUN], out)
+    (run,) = data["runs"]
+    assert run["max_staleness"] == 1 and run["correction"] == "none" and 0.0 <= run["final_accuracy"] <= 1.0
+    assert "start_accuracy" in data and (out.parent / "table.md").exists() and (out.parent / "accuracy.png").exists()
+
+
+def test_algorithms_bench(tmp_path: Path, tiny_model_dir: Path) -> None:
+    out = tmp_path / "new" / "algorithms.json"
+    data = run_bench("algorithms.py", ["--quick", "--steps", "2", "--algorithms", "grpo", "--out", str(out),
+                                       f"model.path={tiny_model_dir}", *TINY_RUN], out)
+    (run,) = data["runs"]
+    assert run["algorithm"] == "grpo" and {"accuracy_start", "accuracy_end", "wall_time_s"} <= set(run)
+
+
+def test_delayed_rewards_bench(tmp_path: Path, tiny_model_dir: Path) -> None:
+    out = tmp_path / "new" / "delayed.json"
+    data = run_bench("delayed_rewards.py", ["--quick", "--steps", "2", "--delay", "0.2", "--jitter", "0",
+                                            "--model", str(tiny_model_dir), "--dir", str(tmp_path / "runs"),
+                                            "--out", str(out), *TINY_RUN], out)
+    assert {"busy_fraction_no_delay", "busy_fraction_delayed", "delay_s", "runs"} <= set(data)
+    assert [r["delay_s"] for r in data["runs"]] == [0.0, 0.2]
+
+
+def test_vs_trl_bench(tmp_path: Path) -> None:
+    if importlib.util.find_spec("trl") is None:
+        pytest.skip("bench/vs_trl.py needs the bench extra (pip install -e '.[cpu,dev,bench]'): TRL is not installed")
+    out = tmp_path / "new" / "vs_trl.json"
+    data = run_bench("vs_trl.py", ["--quick", "--budget-s", "10", "--tasks", "addition", "--out", str(out)], out)
+    (task,) = data["tasks"]
+    assert {"task", "trl_accuracy_end", "trl_time_s", "time_to_trl_accuracy_s", "trl_samples_per_s",
+            "ours_samples_per_s", "learner_push_wait_fraction"} <= set(task)

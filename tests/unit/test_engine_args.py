@@ -1,0 +1,95 @@
+"""What the generator asks of vLLM per device, and the version stamps of a lagged engine (async scheduling)."""
+
+import random
+
+import pytest
+
+from async_rlhf.config import ConfigError, load_config
+from async_rlhf.generator.engine_args import VersionClock, engine_kwargs, engine_lag
+
+
+def test_cpu_defaults_are_what_the_engine_always_got() -> None:
+    kw = engine_kwargs(load_config())
+    assert kw == {"dtype": "float32", "enforce_eager": True, "max_model_len": load_config().model.max_model_len,
+                  "gpu_memory_utilization": 0.3, "tensor_parallel_size": 1, "async_scheduling": False}
+    assert engine_lag(kw, on_gpu=False) == 0
+
+
+def test_gpu_defaults_and_overrides() -> None:
+    gpu = ["resources.generator_gpus=1", "resources.learner_gpus=1"]
+    kw = engine_kwargs(load_config(None, gpu))
+    assert kw["enforce_eager"] is False and kw["gpu_memory_utilization"] == pytest.approx(0.9)
+    shared = engine_kwargs(load_config(None, ["resources.generator_gpus=0.5", "resources.learner_gpus=0.5"]))
+    assert shared["gpu_memory_utilization"] == pytest.approx(0.45)  # a learner holds the other half
+    tp = engine_kwargs(load_config(None, ["resources.tensor_parallel=2", "resources.generator_gpus=2"]))
+    assert tp["tensor_parallel_size"] == 2 and tp["gpu_memory_utilization"] == pytest.approx(0.9)
+    kw = engine_kwargs(load_config(None, [*gpu, "generator.enforce_eager=on", "generator.gpu_memory_utilization=0.6",
+                                          "generator.max_model_len=512", "generator.dtype=bfloat16"]))
+    assert (kw["enforce_eager"], kw["gpu_memory_utilization"], kw["max_model_len"], kw["dtype"]) == (
+        True, 0.6, 512, "bfloat16")
+
+
+def test_in_flight_updates_turn_async_scheduling_off_drain_leaves_it_to_vllm() -> None:
+    gpu = ["resources.generator_gpus=1", "resources.learner_gpus=1"]
+    in_flight = engine_kwargs(load_config(None, gpu))
+    assert in_flight["async_scheduling"] is False and engine_lag(in_flight, on_gpu=True) == 0
+    drain = engine_kwargs(load_config(None, [*gpu, "generator.update_mode=drain"]))
+    assert "async_scheduling" not in drain and engine_lag(drain, on_gpu=True) == 1
+
+
+@pytest.mark.parametrize("override, message", [
+    ("generator.enforce_eager=maybe", "generator.enforce_eager must be one of auto, on, off"),
+    ("generator.gpu_memory_utilization=1.5", "gpu_memory_utilization must lie in 0-1"),
+    ("generator.dtype=int8", "generator.dtype must be one of"),
+    ("resources.generator_gpus=1.5", "fractions below 1"),
+    ("resources.learner_gpus=2", "one device"),
+    ("sync.backend=nccl", "sync.backend=nccl moves CUDA tensors"),
+])
+def test_bad_engine_and_gpu_settings_are_refused(override: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [override])
+
+
+def test_nccl_push_needs_whole_gpus() -> None:
+    with pytest.raises(ConfigError, match="whole GPUs"):
+        load_config(None, ["sync.backend=nccl", "resources.generator_gpus=0.5", "resources.learner_gpus=0.5"])
+    load_config(None, ["sync.backend=nccl", "resources.generator_gpus=1", "resources.learner_gpus=1"])
+
+
+class LaggedEngine:
+    """Returns at step n the tokens computed at step n - lag, with the weights live then (async scheduling)."""
+
+    def __init__(self, lag: int) -> None:
+        self.lag, self.pipeline, self.weights = lag, [], 0
+
+    def step(self, busy: bool) -> list[int]:
+        """One step; the true versions of the tokens it returns."""
+        if not busy:  # nothing in flight: whatever was computed came back already
+            out, self.pipeline = self.pipeline, []
+            return out
+        self.pipeline.append(self.weights)
+        if len(self.pipeline) > self.lag:
+            return [self.pipeline.pop(0)]
+        return []
+
+
+@pytest.mark.parametrize("lag", [0, 1, 2])
+def test_stamps_are_exact_under_a_lagged_engine(lag: int) -> None:
+    rng = random.Random(lag)
+    engine, clock, live = LaggedEngine(lag), VersionClock(lag), 0
+    naive_wrong = 0
+    for _ in range(500):
+        if rng.random() < 0.2:  # a swap between two steps
+            live += 1
+            engine.weights = live
+        busy = rng.random() > 0.05
+        if not busy:
+            engine.step(busy=False)
+            clock.idle()
+            continue
+        returned = engine.step(busy=True)
+        stamp = clock.step(live)
+        for true_version in returned:
+            assert stamp == true_version
+            naive_wrong += true_version != live
+    assert (naive_wrong > 0) == (lag > 0)  # stamping with the live version is wrong exactly when the engine lags

@@ -1,0 +1,161 @@
+"""The generator loop's phases, each driven by hand with a stand-in engine, buffer client and group runner (the
+real loop runs them in turn on a vLLM engine: tests/integration)."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+from async_rlhf.config import load_config
+from async_rlhf.env.base import Prompt
+from async_rlhf.generator.engine_args import VersionClock
+from async_rlhf.generator.loop_phases import EVAL_PREFIX, LoopPhases, LoopState
+
+
+@dataclass
+class Engine:
+    outputs: list[Any] = field(default_factory=list)
+    requests: list[tuple[str, Any]] = field(default_factory=list)
+
+    def add_request(self, rid: str, prompt: dict, params: Any) -> None:
+        self.requests.append((rid, prompt["prompt_token_ids"]))
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.outputs)
+
+    def step(self) -> list[Any]:
+        out, self.outputs = self.outputs, []
+        return out
+
+
+def output(rid: str, tokens: list[int], finished: bool) -> Any:
+    lps = [{t: SimpleNamespace(logprob=-0.5)} for t in tokens]
+    return SimpleNamespace(request_id=rid, finished=finished,
+                           outputs=[SimpleNamespace(token_ids=tokens, logprobs=lps, finish_reason="stop")])
+
+
+class Generator(LoopPhases):
+    """The attributes the phases read, as plain values; loads and evaluations are recorded."""
+
+    def __init__(self, *overrides: str, gen_id: int = 0, staged: int | None = None) -> None:
+        self.cfg = load_config(None, ["generator.eval_every=2", "generator.groups_in_flight=3", *overrides])
+        self.gen_id, self.version, self.engine = gen_id, 0, Engine()
+        self.timeline = SimpleNamespace(states=[], enter=lambda s: self.timeline.states.append(s))
+        self.counters: dict[str, Any] = {"tokens": 0}
+        self.policy = SimpleNamespace(outputs=[], on_output=lambda *a: self.policy.outputs.append(a))
+        self.chat = SimpleNamespace(prepare=lambda p: (p, [7, len(p.text)]))
+        self._heldout_ids = [[1, 2], [3]]
+        self._awaiting_first, self._groups, self._draining = False, {}, threading.Event()
+        self._position, self._run_tag, self._clock = 0, "t", VersionClock(0)
+        self.staged_version, self.loads, self.evals = staged, [], []
+
+    def _staged(self) -> int | None:
+        return self.staged_version
+
+    def _swap_due(self, staged: int, now: float) -> bool:
+        return True
+
+    def _load_version(self) -> None:
+        self.loads.append(self.staged_version)
+        self.version, self.staged_version = self.staged_version, None
+
+    def _decode(self, ids: list[int]) -> str:
+        return ",".join(map(str, ids))
+
+    def _record_eval(self, version: int, outputs: dict, rewards: Any, runner: Any) -> None:
+        self.evals.append((version, sorted(outputs)))
+
+
+class Runner:
+    def __init__(self) -> None:
+        self.started: list[tuple[str, str, list[int]]] = []
+        self.pumps, self.reward_tasks, self.last_pump, self.groups = 0, set(), 0.0, {}
+
+    def start(self, gid: str, prompt: Prompt, ids: list[int]) -> None:
+        self.started.append((gid, prompt.text, ids))
+
+    def pump(self) -> None:
+        self.pumps += 1
+
+
+class Problems:
+    reissue_left = 0
+
+    def __init__(self) -> None:
+        self.position = 0
+
+    def __next__(self) -> tuple[int, Prompt]:
+        self.position += 1
+        return self.position - 1, Prompt(f"p{self.position - 1}")
+
+
+class Client:
+    def __init__(self, granted: int, live: int = 0) -> None:
+        self.granted, self.live, self.asked = granted, live, []
+
+    def admit(self, want: int) -> tuple[int, int]:
+        self.asked.append(want)
+        return min(want, self.granted), self.live
+
+
+SOURCE = SimpleNamespace(prefetch=lambda n: n)
+
+
+def test_swap_loads_a_staged_version_unless_held_out_requests_or_drain_hold_it_back() -> None:
+    gen, st = Generator(staged=3), LoopState()
+    st.eval_pending = 1
+    assert gen._swap_phase(st) is False and gen.loads == []  # held-out requests finish on one version
+    st.eval_pending = 0
+    assert gen._swap_phase(st) is True and gen.loads == [3] and gen.version == 3 and st.staged is None
+    drain = Generator("generator.update_mode=drain", staged=1)
+    drain._groups = {"g": object()}
+    assert drain._swap_phase(LoopState()) is False and drain.loads == []  # drain: only once nothing is in flight
+    late = Generator()
+    late._awaiting_first = True
+    assert late._swap_phase(LoopState()) is True and late.loads == [] and late.timeline.states == ["paused_for_push"]
+
+
+def test_eval_requests_start_on_generator_zero_once_per_due_version() -> None:
+    gen, st = Generator(), LoopState()
+    gen.version = 2
+    gen._eval_phase(st, "greedy")
+    assert gen.engine.requests == [(f"{EVAL_PREFIX}0", [1, 2]), (f"{EVAL_PREFIX}1", [3])] and st.eval_pending == 2
+    st.eval_pending = 0
+    gen._eval_phase(st, "greedy")
+    assert len(gen.engine.requests) == 2  # version 2 was evaluated already
+    other = Generator(gen_id=1)
+    other.version = 2
+    other._eval_phase(LoopState(), "greedy")
+    assert other.engine.requests == []
+
+
+def test_admission_starts_granted_groups_through_the_chat_template_and_backs_off_when_refused() -> None:
+    gen, st, runner, client = Generator(), LoopState(), Runner(), Client(granted=2)
+    gen._admit_phase(st, client, Problems(), SOURCE, runner, patience=1.0)
+    assert client.asked == [3] and [(t, ids) for _, t, ids in runner.started] == [("p0", [7, 2]), ("p1", [7, 2])]
+    assert gen._position == 2 and runner.pumps == 1 and st.last_refused > 0  # fewer than asked: wait a moment
+    gen._admit_phase(st, client, Problems(), SOURCE, runner, patience=1.0)
+    assert client.asked == [3]  # not asked again within 5 ms
+
+
+def test_admission_serves_the_buffers_live_version_before_starting_groups() -> None:
+    gen, st, runner = Generator(staged=4), LoopState(), Runner()
+    gen._admit_phase(st, Client(granted=3, live=4), Problems(), SOURCE, runner, patience=1.0)
+    assert gen.loads == [4] and gen.version == 4 and len(runner.started) == 3
+
+
+def test_a_step_stamps_tokens_with_the_serving_version_and_collects_held_out_answers() -> None:
+    gen, st, runner = Generator(), LoopState(), Runner()
+    gen.version, st.eval_version, st.eval_pending = 5, 4, 2
+    gen.engine.outputs = [output("g-0", [11, 12], False), output(f"{EVAL_PREFIX}1", [9], True)]
+    gen._step_phase(st, runner, rewards=None)
+    (rid, tokens, lps, stamp, reason), = gen.policy.outputs
+    assert (rid, tokens, lps, reason) == ("g-0", [11, 12], [-0.5, -0.5], None) and stamp == 5
+    assert gen.counters["tokens"] == 2 and st.eval_pending == 1 and gen.evals == []
+    gen.engine.outputs = [output(f"{EVAL_PREFIX}0", [8], True)]
+    gen._step_phase(st, runner, rewards=None)
+    assert gen.evals == [(4, [f"{EVAL_PREFIX}0", f"{EVAL_PREFIX}1"])] and st.eval_out == {}
+    gen._step_phase(st, runner, rewards=None)  # nothing for the engine: wait, and let environments run
+    assert gen.timeline.states[-1] == "wait_admission" and runner.pumps >= 1

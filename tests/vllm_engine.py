@@ -1,0 +1,78 @@
+"""A real vLLM engine with the weight-sync worker extension, in a spawned process driven by commands: shared by
+the weight-sync integration tests (CPU) and the GPU tests. vLLM binds threads and never lets go of its
+process, so each engine lives in its own and answers on a queue:
+
+    ("layout", wire)   -> ("layout", None)           every worker switches to a new bucket layout
+    ("receive", r)     -> ("received", [per worker])  receive_update (r: refresh_lm_head; None: the default)
+    ("score", seqs)    -> ("scores", log-probs)        prompt log-prob of every token after the first
+    ("quit", None)     -> ("bye", None)
+first answer: ("epoch", [per worker]) once every worker joined the push group as gen0[.tp<r>].
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import time
+import traceback
+from typing import Any
+
+HOST = "127.0.0.1"
+BASE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false", "VLLM_LOGGING_LEVEL": "ERROR"}
+CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+
+
+def engine_process(model_dir: str, port: int, layout: list, engine: dict[str, Any], cmds: Any, out: Any,
+                   sync_backend: str = "gloo", timeout_s: float = 60.0, start_s: float = 240.0,
+                   receiver_args: tuple = (), env: dict[str, str] | None = None) -> None:
+    """The engine process's body (a spawn target): ``engine`` are ``vllm.LLM``'s keyword arguments."""
+    os.environ.update({**BASE_ENV, **(env or {})})
+    try:
+        from vllm import LLM, SamplingParams
+
+        llm = LLM(model=model_dir, seed=0, worker_extension_cls="async_rlhf.generator.worker_ext.WeightSyncWorker",
+                  **engine)
+        llm.collective_rpc("init_receiver", args=(HOST, port, "gen0", layout, sync_backend, timeout_s,
+                                                  *receiver_args))
+        out.put(("epoch", llm.collective_rpc("join_push_group", args=(start_s,))))
+        while True:
+            cmd, arg = cmds.get(timeout=start_s)
+            if cmd == "quit":
+                break
+            if cmd == "layout":
+                llm.collective_rpc("set_weight_layout", args=(arg,))
+                out.put(("layout", None))
+            elif cmd == "receive":
+                kwargs = {"timeout_s": timeout_s} if arg is None else {"timeout_s": timeout_s, "refresh_lm_head": arg}
+                out.put(("received", llm.collective_rpc("receive_update", kwargs=kwargs)))
+            elif cmd == "score":
+                params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0)
+                outs = llm.generate([{"prompt_token_ids": s} for s in arg], params, use_tqdm=False)
+                out.put(("scores", [[o.prompt_logprobs[i][s[i]].logprob for i in range(1, len(s))]
+                                    for o, s in zip(outs, arg)]))
+        out.put(("bye", None))
+    except Exception:
+        out.put(("crash", traceback.format_exc()))
+    finally:
+        out.close()
+        out.join_thread()
+        os._exit(0)
+
+
+def expect(out: Any, kind: str, timeout_s: float = 60.0) -> Any:
+    """The engine's next answer, which must be ``kind`` (its failure raised with the engine's traceback)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            got, payload = out.get(timeout=1.0)
+        except queue.Empty:
+            continue
+        if got == "crash":
+            raise AssertionError(f"the engine process failed:\n{payload}")
+        assert got == kind, (got, payload)
+        return payload
+    raise AssertionError(f"the engine process never answered {kind!r}")
+
+
+def max_diff(a: list[list[float]], b: list[list[float]]) -> float:
+    return max(abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra, rb))
