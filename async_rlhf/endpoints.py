@@ -70,7 +70,7 @@ SHARED_TOKEN = ".shared-storage-check"
 
 def probe_node(run_dir: str = "", token: str = "", paths: tuple[str, ...] = ()) -> dict[str, Any]:
     """Run in a role's placement bundle before the role starts: its node's IP, the host it would listen on,
-    two ports free there, its cores, whether it sees the run directory the driver sees (the token file holds
+    a port free there, its cores, whether it sees the run directory the driver sees (the token file holds
     ``token``) and which of ``paths`` it cannot read."""
     from pathlib import Path
 
@@ -81,7 +81,7 @@ def probe_node(run_dir: str = "", token: str = "", paths: tuple[str, ...] = ()) 
             seen = (Path(run_dir) / SHARED_TOKEN).read_text()
         except OSError:
             seen = ""
-    return {"host": host, "ports": [free_port(host), free_port(host)], "node": node_ip(),
+    return {"host": host, "port": free_port(host), "node": node_ip(),
             "cores": sorted(os.sched_getaffinity(0)), "sees_run_dir": not run_dir or seen == token,
             "missing": [p for p in paths if not os.path.exists(p)]}
 

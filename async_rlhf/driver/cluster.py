@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -86,7 +87,6 @@ class Cluster:
         from async_rlhf.driver.placement import plan_placement
         from async_rlhf.endpoints import NETWORK_ENV, make_run_keys, run_keys_env, use_node_addresses
         from async_rlhf.generator.actor import GeneratorActor
-        from async_rlhf.learner.actor import LearnerActor
 
         self.cfg = cfg
         self.model_path = model_path
@@ -116,7 +116,7 @@ class Cluster:
             # a restarted actor binds the same address (its clients reconnect to it): choose the port now, one
             # free on the buffer's node
             buffer_cfg, restarts = copy.deepcopy(cfg), cfg.run.buffer_max_restarts
-            buffer_cfg.buffer.port = cfg.buffer.port or self.nodes["buffer"][0]["ports"][0]
+            buffer_cfg.buffer.port = cfg.buffer.port or self.nodes["buffer"][0]["port"]
         self.buffer = ray.remote(BufferActor).options(
             num_cpus=res.buffer_cpus, max_restarts=restarts, scheduling_strategy=self._in_group("buffer", 0),
             runtime_env={"env_vars": self.role_env}).remote(buffer_cfg)
@@ -131,14 +131,9 @@ class Cluster:
         self.added: list[Any] = []
         # learner rank 0's node hosts both rendezvous: DeepSpeed's and the weight push's store
         rank0 = self.nodes["learners"][0]
-        self.master = (rank0["host"], rank0["ports"][0])
-        self.push_host, self.push_port = rank0["host"], rank0["ports"][1]
-        learner_cls = ray.remote(LearnerActor)
-        learner_opts = {"num_cpus": res.learner_cpus, "num_gpus": res.learner_gpus, "max_concurrency": 3,
-                        "runtime_env": {"env_vars": {**self.role_env, "OMP_NUM_THREADS": str(cfg.learner.threads)}}}
-        self.learners = [learner_cls.options(**learner_opts, scheduling_strategy=self._in_group("learners", r)).remote(
-            r, cfg.learners, cfg, model_path, *self.master, self.buffer_address) for r in range(cfg.learners)]
-        self._await_learners()
+        self.master = (rank0["host"], rank0["port"])
+        self.push_host = rank0["host"]
+        self._start_learners(model_path)
         ray.get([g.ready.remote() for g in self.generators])
         self.cpu_plan = pin_roles(cfg, self.buffer, self.generators, self.learners, self.nodes)
         # the push group: learner rank 0 and every generator, on a TCPStore of its own
@@ -146,7 +141,8 @@ class Cluster:
         self.layout = layout
         ids = [f"gen{i}" for i in range(cfg.generators)]
         members = [m for g in ids for m in tp_member_ids(g, res.tensor_parallel)]  # every TP worker receives
-        ray.get([self.learners[0].init_weight_sync.remote(self.push_host, self.push_port, members)]
+        self.push_port = ray.get(self.learners[0].open_weight_sync.remote(self.push_host))
+        ray.get([self.learners[0].form_weight_sync.remote(members)]
                 + [g.init_weight_sync.remote(self.push_host, self.push_port, mid, layout)
                    for mid, g in zip(ids, self.generators)])
 
@@ -181,23 +177,54 @@ class Cluster:
                                          "storage shared by every node, at the same path")
         return nodes
 
+    def _start_learners(self, model_path: str, attempts: int = 3) -> None:
+        """Start the learner ranks. Rank 0 listens for DeepSpeed's rendezvous on a port its node found free
+        when probed; if another process took that port meanwhile, start them again on a fresh one."""
+        import ray
+
+        from async_rlhf.endpoints import free_port
+        from async_rlhf.learner.actor import LearnerActor
+
+        cfg, res = self.cfg, self.cfg.resources
+        learner_cls = ray.remote(LearnerActor)
+        opts = {"num_cpus": res.learner_cpus, "num_gpus": res.learner_gpus, "max_concurrency": 3,
+                "runtime_env": {"env_vars": {**self.role_env, "OMP_NUM_THREADS": str(cfg.learner.threads)}}}
+        for attempt in range(attempts):
+            self.learners = [learner_cls.options(**opts, scheduling_strategy=self._in_group("learners", r)).remote(
+                r, cfg.learners, cfg, model_path, *self.master, self.buffer_address) for r in range(cfg.learners)]
+            try:
+                self._await_learners()
+                return
+            except ray.exceptions.RayActorError as exc:
+                if attempt == attempts - 1 or not port_taken(exc):
+                    raise
+            log.warning("the DeepSpeed rendezvous port %d was taken before rank 0 bound it: starting the learner "
+                        "ranks again on a fresh port", self.master[1])
+            for actor in self.learners:
+                ray.kill(actor)
+            probe = ray.remote(num_cpus=0)(free_port).options(scheduling_strategy=self._in_group("learners", 0))
+            self.master = (self.master[0], ray.get(probe.remote(self.master[0]), timeout=60))
+
     def _await_learners(self) -> None:
         """Every learner rank joins DeepSpeed's rendezvous within ``run.rendezvous_timeout_s`` or the run stops
         with one line naming the rank, its node and the address it dialled."""
         import ray
 
         refs = [lr.ready.remote() for lr in self.learners]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.cfg.run.rendezvous_timeout_s)
+        deadline = time.monotonic() + self.cfg.run.rendezvous_timeout_s
+        pending = list(refs)
+        while pending and time.monotonic() < deadline:  # a rank that fails (rank 0's bind) raises at once
+            done, pending = ray.wait(pending, num_returns=1, timeout=max(deadline - time.monotonic(), 0.0))
+            ray.get(done)
         host, port = self.master
         for r, ref in enumerate(refs):
-            node = self.nodes["learners"][r]["node"]
-            if ref not in ready:
+            if ref in pending:
+                node = self.nodes["learners"][r]["node"]
                 raise NodeSetupError(
                     f"learner rank {r} on node {node} did not join the DeepSpeed rendezvous at {host}:{port} within "
                     f"{self.cfg.run.rendezvous_timeout_s:.0f} s (run.rendezvous_timeout_s): check that node {node} "
                     f"reaches {host} on TCP port {port} and on gloo's ports (firewall, routes), and that every rank "
                     "started (ray status)")
-            ray.get(ref)
 
     def pin_buffer(self) -> None:
         """Pin a restarted buffer actor's new process as the CPU plan says (the old one was pinned at start)."""
@@ -264,6 +291,12 @@ class Cluster:
 
         self.close()
         ray.shutdown()
+
+
+def port_taken(exc: BaseException) -> bool:
+    """Whether a role failed because the port it was to listen on was taken (EADDRINUSE)."""
+    text = str(exc)
+    return "EADDRINUSE" in text or "ddress already in use" in text
 
 
 class NodeSetupError(RuntimeError):

@@ -140,11 +140,16 @@ class LearnerActor:
             self._buckets = push_layout(params, self.cfg.sync.bucket_mb << 20, lc.zero_stage)
         return layout_to_wire(self._buckets)
 
-    def init_weight_sync(self, host: str, port: int, member_ids: list[str]) -> None:
-        """Rank 0 hosts the push group's TCPStore and forms the first epoch with every generator."""
+    def open_weight_sync(self, host: str) -> int:
+        """Rank 0 hosts the push group's TCPStore on a port the system gives it (a port chosen free earlier
+        can be taken meanwhile); returns that port, which the generators dial."""
         from async_rlhf.learner.push import WeightPusher
 
-        self._pusher = WeightPusher(self.cfg, self._buckets, host, port, self.buffer_address)
+        self._pusher = WeightPusher(self.cfg, self._buckets, host, 0, self.buffer_address)
+        return self._pusher.sender.port
+
+    def form_weight_sync(self, member_ids: list[str]) -> None:
+        """Form the first epoch with every generator (each joins through ``init_weight_sync`` meanwhile)."""
         self._pusher.sender.form(list(member_ids))
 
     def drop_generators(self, member_ids: list[str]) -> None:
