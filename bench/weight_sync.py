@@ -95,6 +95,12 @@ def plan(cfg: dict) -> list:
     return plan_buckets(specs, cfg["bucket_bytes"])
 
 
+def push_group(end: Sender | Receiver):
+    """The push's current process group at this end (rank 0 at the sender), for the raw broadcast to run on the
+    very group the push uses. The library keeps it private: only this comparison needs it."""
+    return end._pg
+
+
 def all_done(pg) -> None:
     """The raw transfer's "every receiver has it": a 1-element allreduce on the same group."""
     pg.allreduce([torch.zeros(1)]).wait(seconds(TIMEOUT_S))
@@ -135,14 +141,14 @@ def receiver_main(port: int, member_id: str, errors) -> None:
             # once it applied the last one): what the sender then measures is the transfer, not how soon a
             # process woken by the store posts them
             cpu0 = time.process_time()
-            raw = post_broadcast(rx.pg, rx.arena()[:op["nbytes"]]) if op["op"] == "raw" else None
+            raw = post_broadcast(push_group(rx), rx.arena()[:op["nbytes"]]) if op["op"] == "raw" else None
             if op["op"] == "push":
                 rx.prepost()  # (a first push of an epoch cannot be: its receives wait for the store header)
             store.set(f"bench/ready/{j}/{member_id}", "1")
             result: dict[str, float] = {}
             if raw is not None:
                 raw.wait(seconds(TIMEOUT_S))
-                all_done(rx.pg)
+                all_done(push_group(rx))
             elif op["op"] == "push":
                 staged = rx.fetch()  # a generator keeps generating meanwhile (on its worker's thread)
                 result = rx.apply(staged, load, per_bucket=True).metrics  # the swap: the generator's pause
@@ -233,7 +239,7 @@ class Bench:
         push_metrics: list[dict] = []
 
         def raw() -> None:  # on the push's current group (a new layout opens a new epoch at the first push)
-            pg = self.sender.pg
+            pg = push_group(self.sender)
             post_broadcast(pg, flat).wait(seconds(TIMEOUT_S))
             all_done(pg)
 

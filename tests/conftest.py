@@ -88,6 +88,20 @@ def stop_process(proc, grace_s: float = 5.0) -> None:
         proc.join(timeout=grace_s)
 
 
+def joins_noticed(sender) -> bool:
+    """Whether the sender's join watcher saw requests queued since the sender last took them (its next push
+    admits them). Reaches into the Sender: only tests wait for this moment."""
+    return sender._joins_seen.is_set()
+
+
+def poll_joiners(sender) -> list[str]:
+    """Take the join requests queued now (a store round trip, as the sender's push does once its watcher saw
+    some) and return every member id waiting for admission at the next push: a request already queued is then
+    admitted by the very next push, whatever the watcher's timing. Reaches into the Sender, as above."""
+    sender._take_joiners()
+    return [m.id for m in sender._queued]
+
+
 TIERS = ("unit", "distributed", "integration", "cluster", "gpu")
 """A test's tier is its folder under tests/ (``make test-fast`` runs ``-m unit``)."""
 

@@ -71,7 +71,7 @@ def push_cut(buckets: list[Bucket], gather_bytes: int) -> list[tuple[int, int]]:
     """The broadcasts of a ZeRO-3 push (pure, the same on every rank): the sender's packed cut, with chunks of at
     most a quarter of ``gather_bytes`` so that a window holds several of them."""
     from async_rlhf.sync.layout import ALIGN, auto_chunk_bytes
-    from async_rlhf.sync.sender import OWN_BYTES
+    from async_rlhf.sync.send_staging import OWN_BYTES
 
     _, total = arena_offsets(buckets)
     chunk = min(auto_chunk_bytes(total), max(ALIGN, gather_bytes // 4))

@@ -45,6 +45,18 @@ class Aborted(SyncError):
     """The other side gave up on this push (an abort or failure key appeared)."""
 
 
+def caused_by(exc: BaseException | None, kind: type[BaseException]) -> bool:
+    """Whether ``exc`` or an exception in its chain (cause or context) is a ``kind`` (a caller such as vLLM's
+    weight loader may wrap what the push raised)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, kind):
+            return True
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
 def seconds(s: float) -> dt.timedelta:
     return dt.timedelta(seconds=max(s, 0.001))
 

@@ -14,10 +14,8 @@ The sender's push completes at the acks (every member holds v, byte-exact); v is
 once it has applied it. With two slots, a fetch that keeps the staged version (``keep_staged``, the
 generator's fetch loop) receives v + 1 into the other slot while v waits for the engine's next step
 boundary, so the sender never waits for a member to swap; if v + 1 arrives before v was applied, v is
-skipped (coalesced) and only v + 1 is loaded. With one slot such a fetch waits until v is applied.
-
-    slot states:   free --post--> receiving --acked--> staged --apply--> applying --done--> free
-                                                          '--a newer version staged (coalesced)--> free
+skipped (coalesced) and only v + 1 is loaded. With one slot such a fetch waits until v is applied. The
+slots and their states are :mod:`async_rlhf.sync.receive_slots`'s (drawn there).
 
 Loading starts only after the whole version has arrived: vLLM's layerwise reload keeps half-loaded
 layers on the meta device if its weight iterator raises, so a push aborted mid-way must never reach the
@@ -39,7 +37,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -53,6 +50,7 @@ from async_rlhf.sync.group import (
     Aborted,
     SyncError,
     SyncTimeout,
+    caused_by,
     connect_store,
     last_first,
     left,
@@ -61,8 +59,11 @@ from async_rlhf.sync.group import (
     track,
 )
 from async_rlhf.sync.layout import Bucket
-from async_rlhf.sync.tensors import arena_offsets, check_cut, layout_digest, named_views
+from async_rlhf.sync.receive_slots import ReceiveSlots, Staged
+from async_rlhf.sync.tensors import check_cut, layout_digest
 from async_rlhf.sync.transport import Transport, make_transport
+
+__all__ = ["Excluded", "Load", "ReceiveError", "Received", "Receiver", "Staged"]
 
 log = logging.getLogger(__name__)
 
@@ -86,17 +87,6 @@ class ReceiveError(SyncError):
 
 
 @dataclass(frozen=True)
-class Staged:
-    """A version received whole into the buffer and acknowledged, not loaded yet."""
-
-    version: int
-    epoch: int
-    k: int
-    slot: int
-    metrics: dict[str, float]
-
-
-@dataclass(frozen=True)
 class Received:
     version: int
     epoch: int
@@ -105,7 +95,8 @@ class Received:
 
 class Receiver:
     """A generator's end of the push group. :meth:`fetch` (and :meth:`prepost`) run on one thread, and
-    :meth:`apply` may run on another (the engine loop); the slots between them are guarded by a condition."""
+    :meth:`apply` may run on another (the engine loop); the slots between them (:class:`ReceiveSlots`) are
+    guarded by a condition."""
 
     def __init__(self, buckets: list[Bucket], member_id: str, host: str, port: int, backend: str | Transport = "gloo",
                  timeout_s: float = 120.0, slice_s: float = 0.2, buffers: int = 1, min_gbps: float = 0.0) -> None:
@@ -113,17 +104,11 @@ class Receiver:
         at the cost of a second copy of the weights here). ``backend``: ``sync.backend`` or a
         :class:`Transport`; the receive slots live on its device. ``min_gbps``: once a push starts, its transfer
         may take ``timeout_s`` plus the arena to every member at this rate (as the sender's deadline)."""
-        if buffers not in (1, 2):
-            raise ValueError(f"buffers must be 1 or 2, got {buffers}")
+        self._slots = ReceiveSlots(buffers)
         # a version waits here in host memory (NCCL: streamed through a bounded CUDA buffer, see transport.py)
         self.transport = backend if isinstance(backend, Transport) else make_transport(backend, host_arena=True)
         backend = self.transport.name
         self.buffers = buffers
-        self._slots = threading.Condition()
-        self._staged_slot: int | None = None  # the newest version received and not yet taken by apply
-        self._applying: int | None = None
-        self.coalesced = 0
-        """Versions received and never applied because a newer one arrived first."""
         self.me = P.Member(member_id, "")
         P.decode_join(P.encode_join(self.me))  # validates the id (join() draws the nonce)
         self.backend, self.timeout_s, self.slice_s, self.min_gbps = backend, timeout_s, slice_s, min_gbps
@@ -150,59 +135,28 @@ class Receiver:
         return self.me.id
 
     @property
-    def pg(self) -> dist.ProcessGroup | None:
-        """The current epoch's group; the benchmark uses it for its raw broadcast."""
-        return self._pg
+    def coalesced(self) -> int:
+        """Versions received and never applied because a newer one arrived first."""
+        return self._slots.coalesced
 
     def use_layout(self, buckets: list[Bucket]) -> None:
         """Set the bucket layout (the sender's); the buffer is allocated on the next receive. The same layout
         again changes nothing (receives may be posted into the current buffer)."""
-        offsets, arena_bytes = arena_offsets(buckets)
         digest = layout_digest(buckets)
         if digest == getattr(self, "layout_digest", None):
             return
-        self.buckets, self._offsets, self._arena_bytes = buckets, offsets, arena_bytes
+        self.buckets = buckets
         self.chunks: list[tuple[int, int]] = []  # the cut of the last push received (the sender's choice)
         self.layout_digest = digest
-        self._arenas: list[torch.Tensor | None] = [None] * self.buffers
-        self._views: list[list[list[tuple[str, torch.Tensor]]]] = [[] for _ in range(self.buffers)]
+        self._slots.use_layout(buckets)
 
     def arena(self, slot: int = 0) -> torch.Tensor:
         """The byte buffer of ``slot``, holding every bucket (the benchmark also receives its raw broadcast
         into slot 0)."""
-        raw = self._arenas[slot]
-        if raw is None:
-            raw = self._arenas[slot] = self.transport.empty(self._arena_bytes)
-            self._views[slot] = [named_views(raw[off:off + b.nbytes], b) for off, b in zip(self._offsets, self.buckets)]
-        return raw
+        return self._slots.arena(slot, self.transport)
 
-    # -- slots (see the module docstring) ----------------------------------------------------------
-    def _free_slot(self, keep_staged: bool) -> int | None:
-        """A slot to receive into: not being applied, not holding posted receives and, with ``keep_staged``,
-        not holding the newest staged version. Without it the staged slot is taken last (superseded)."""
-        posted = self._posted[3] if self._posted is not None else None
-        busy = {self._applying, posted}
-        free = [s for s in range(self.buffers) if s not in busy and s != self._staged_slot]
-        if free:
-            return free[0]
-        if not keep_staged and self._staged_slot is not None and self._staged_slot not in busy:
-            return self._staged_slot
-        return None
-
-    def _wait_for_slot(self, deadline: float) -> None:
-        """Block (the fetch thread) until a slot can take the next push without dropping the staged version."""
-        with self._slots:
-            while self._posted is None and self._free_slot(keep_staged=True) is None:
-                if left(deadline) <= 0:
-                    raise SyncTimeout("no free receive slot: the staged version was not applied in time")
-                self._slots.wait(min(left(deadline), 0.5))
-
-    def _staged_into(self, slot: int) -> None:
-        with self._slots:
-            if self._staged_slot is not None and self._staged_slot != slot:
-                self.coalesced += 1  # never applied: a newer version is here
-            self._staged_slot = slot
-            self._slots.notify_all()
+    def _posted_slot(self) -> int | None:
+        return self._posted[3] if self._posted is not None else None
 
     # -- membership ---------------------------------------------------------------------------------
     def join(self, timeout_s: float | None = None) -> int:
@@ -256,8 +210,8 @@ class Receiver:
         while True:
             e, k = self.epoch, self._k
             expect = self._expect
-            if keep_staged:
-                self._wait_for_slot(deadline)
+            if keep_staged and self._posted is None:
+                self._slots.wait_for_free(deadline)
             self.prepost(keep_staged)  # the fast path: no store header
             header = self._next_header(e, k, deadline)
             if header is REJOINED:
@@ -271,7 +225,7 @@ class Receiver:
         t_header = time.perf_counter()
         if self.min_gbps:  # a multi-GB push to many members: its transfer gets the sender's allowance
             deadline = max(deadline, time.monotonic() + push_timeout_s(
-                self.timeout_s, self._arena_bytes, self._world - 1, self.min_gbps))
+                self.timeout_s, self._slots.arena_bytes, self._world - 1, self.min_gbps))
         preposted, acked_foreign = header is None, False
         version = -1 if header is None else header.version
         try:
@@ -283,15 +237,13 @@ class Receiver:
                                     f"holds {self.layout_digest} (call use_layout on both sides at the same boundary)")
                 check_cut(list(header.cut), self.buckets)
                 self.chunks = list(header.cut)
-                with self._slots:
-                    slot = self._free_slot(keep_staged)
+                slot = self._slots.free(keep_staged, self._posted_slot())
                 if slot is None:
                     raise SyncError("no free receive slot for the push")
                 self._posted = (e, k, self._post(self.chunks, self.arena(slot)), slot)
             works, slot = self._posted[2], self._posted[3]
             got = self._transfer(works, version, e, k, deadline)
-            with self._slots:
-                self._posted = None
+            self._posted = None
             if header is not None and got != version:
                 raise SyncError(f"the acknowledgement carries version {got}, the store header said {version}")
             version = got
@@ -301,10 +253,7 @@ class Receiver:
                 raise SyncError(f"layout mismatch: the sender pushes layout {wire}, this member holds "
                                 f"{self.layout_digest} (call use_layout on both sides at the same boundary)")
         except Exception as exc:
-            with self._slots:
-                self._posted = None
-                self._slots.notify_all()
-            self._expect = None
+            self._posted, self._expect = None, None
             self._report(e, k, exc)
             if acked_foreign:  # the sender thinks it delivered: join again, so that its next push rebuilds the
                 self._leave(join_again=True)  # group and this member refuses that push before any byte
@@ -313,7 +262,7 @@ class Receiver:
         if header is None:
             self.chunks = expect[1]
         self._expect = (e, self.chunks, self.arena(slot), self.layout_digest)
-        self._staged_into(slot)
+        self._slots.staged_into(slot)
         return Staged(version, e, k, slot, {"sync/wait_header_s": t_header - t0, "sync/preposted": float(preposted),
                                       "sync/transfer_s": time.perf_counter() - t_header})
 
@@ -327,14 +276,13 @@ class Receiver:
             if (self._pg is None or not expect or expect[0] != self.epoch or not expect[1]
                     or self.backend not in P.PREPOSTS):
                 return False
-            with self._slots:
-                slot = self._free_slot(keep_staged)
-                if slot is None:
-                    return False
-                # the epoch's wire; into the last push's buffer if this member changed its layout since (that
-                # push is then refused once acknowledged)
-                arena = self.arena(slot) if expect[3] == self.layout_digest else expect[2]
-                self._posted = (self.epoch, self._k, self._post(expect[1], arena), slot)
+            slot = self._slots.free(keep_staged, None)
+            if slot is None:
+                return False
+            # the epoch's wire; into the last push's buffer if this member changed its layout since (that
+            # push is then refused once acknowledged)
+            arena = self.arena(slot) if expect[3] == self.layout_digest else expect[2]
+            self._posted = (self.epoch, self._k, self._post(expect[1], arena), slot)
         return True
 
     def _post(self, chunks: list[tuple[int, int]], arena: torch.Tensor) -> list[dist.Work]:
@@ -427,28 +375,12 @@ class Receiver:
         and its next version overwrites every tensor.
         """
         t0 = time.perf_counter()
-        with self._slots:
-            self._applying = staged.slot
-            if self._staged_slot == staged.slot:
-                self._staged_slot = None
-        try:
+        with self._slots.applying(staged.slot):
             return self._load(staged, load, per_bucket, t0)
-        finally:
-            with self._slots:
-                self._applying = None
-                self._slots.notify_all()
 
     def _load(self, staged: Staged, load: Load, per_bucket: bool, t0: float) -> Received:
         e, k = staged.epoch, staged.k
-
-        def stream() -> Iterator:
-            for views in self._views[staged.slot]:
-                if per_bucket:
-                    yield views
-                else:
-                    yield from views
-
-        it = stream()
+        it = self._slots.weights(staged.slot, per_bucket)
         try:
             load(it)
             if next(it, None) is not None:
@@ -492,7 +424,7 @@ class Receiver:
         return self.transport.read_int(ack)
 
     def _report(self, e: int, k: int, exc: Exception) -> None:
-        victim = _caused_by(exc, Aborted)  # load() (vLLM) may wrap what our iterator raised
+        victim = caused_by(exc, Aborted)  # load() (vLLM) may wrap what our iterator raised
         msg = f"{P.ABORTED if victim else 'error'}: {type(exc).__name__}: {exc}"[:500]
         log.error("member %s, push %d of epoch %d: %s", self.me.id, k, e, msg)
         try:
@@ -511,13 +443,3 @@ class Receiver:
     def close(self) -> None:
         self.transport.retire(self._pg, self._works)
         self._pg = None
-
-
-def _caused_by(exc: BaseException | None, kind: type[BaseException]) -> bool:
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        if isinstance(exc, kind):
-            return True
-        seen.add(id(exc))
-        exc = exc.__cause__ or exc.__context__
-    return False

@@ -5,7 +5,7 @@ the start of a push), and pushes versions. The protocol is drawn in :mod:`async_
 
 Data path of one push, per chunk c of its cut (a byte range of the arena, one broadcast; the cut is one
 chunk when the parameters are kept flat, else large tensors alone and small ones packed: see
-:mod:`async_rlhf.sync.tensors`)::
+:mod:`async_rlhf.sync.tensors`; the cut and the packing are :mod:`async_rlhf.sync.send_staging`'s)::
 
     its pieces lie in parameter memory  -> broadcast that storage range (no copy): a part of one
     where the chunk puts them              contiguous tensor, or parameters kept flat (``flatten_params``)
@@ -29,12 +29,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import operator
 import threading
 import time
 import weakref
-from collections.abc import Callable, Mapping, Sequence
-from typing import Protocol
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -51,44 +49,17 @@ from async_rlhf.sync.group import (
     store_wait,
     track,
 )
-from async_rlhf.sync.layout import Bucket, auto_chunk_bytes, chunk_ranges
-from async_rlhf.sync.tensors import (
-    TORCH_DTYPES,
-    arena_offsets,
-    chunk_pieces,
-    cut_arena,
-    dtype_name,
-    in_place_chunk,
-    layout_digest,
-)
+from async_rlhf.sync.layout import Bucket
+from async_rlhf.sync.send_staging import OWN_BYTES, SendStaging, Streamed
+from async_rlhf.sync.tensors import TORCH_DTYPES, dtype_name, layout_digest
 from async_rlhf.sync.transport import Transport, make_transport
 
-__all__ = ["PushError", "Sender", "TORCH_DTYPES", "dtype_name"]
+__all__ = ["OWN_BYTES", "PushError", "Sender", "Streamed", "TORCH_DTYPES", "dtype_name"]
 
 log = logging.getLogger(__name__)
 
-_SHAPE_DTYPE = operator.attrgetter("shape", "dtype")
-OWN_BYTES = 2 << 20
-"""A tensor this large goes out as a broadcast of its own, from its storage, when the push is not one flat
-buffer: on CPU, packing 2 MiB costs about as much as the extra broadcast's overhead (0.1-0.3 ms)."""
 JOIN_POLL_S = 0.02
 """How often the sender looks for join requests (on its own thread and store connection)."""
-
-
-def _picker(indices: list[int]) -> Callable[[list[torch.Tensor]], list[torch.Tensor]]:
-    """A function returning the list of ``tensors[i] for i in indices``, by one C-level call."""
-    if len(indices) < 2:  # itemgetter returns a bare item for one index and takes none for zero
-        return lambda tensors: [tensors[i] for i in indices]
-    get = operator.itemgetter(*indices)
-    return lambda tensors: list(get(tensors))
-
-
-class Streamed(Protocol):
-    """Parameters full only a window at a time (ZeRO-3, learner/zero3.py); ``cut``: the push's broadcasts."""
-
-    cut: list[tuple[int, int]]
-
-    def before_chunk(self, c: int) -> None: ...
 
 
 class PushError(SyncError):
@@ -174,11 +145,6 @@ class Sender:
     def members(self) -> list[str]:
         return [m.id for m in self._members]
 
-    @property
-    def pg(self) -> dist.ProcessGroup | None:
-        """The current epoch's group (rank 0 here); the benchmark uses it for its raw broadcast."""
-        return self._pg
-
     def form(self, member_ids: Sequence[str], timeout_s: float | None = None) -> None:
         """Open the first epoch once every id in ``member_ids`` has asked to join (no push: they start
         from the same checkpoint as the learner). Joiners beyond these are admitted too."""
@@ -205,18 +171,6 @@ class Sender:
         instead of waiting ``timeout_s`` for their acknowledgement, and the next push leaves them out. Safe
         to call from any thread (one atomic assignment)."""
         self._reported_dead = self._reported_dead | frozenset(member_ids)
-
-    @property
-    def joins_noticed(self) -> bool:
-        """Whether join requests were seen queued since the sender last took them (the next push will)."""
-        return self._joins_seen.is_set()
-
-    def poll_joiners(self) -> list[str]:
-        """Take the join requests queued now (a store round trip) and return every member id waiting for
-        admission at the next push. :meth:`push` notices joiners by itself within ``JOIN_POLL_S``; call this
-        to be sure a request already queued is admitted by the very next push."""
-        self._take_joiners()
-        return [m.id for m in self._queued]
 
     def _take_joiners(self) -> None:
         self._joins_seen.clear()
@@ -267,115 +221,23 @@ class Sender:
 
     # -- data path ----------------------------------------------------------------------------------
     def use_layout(self, buckets: list[Bucket]) -> None:
-        """Set the bucket layout (receivers must use the same); reallocates the packing slots lazily.
+        """Set the bucket layout (receivers must use the same): a new :class:`SendStaging` (its packing slots
+        are allocated lazily), with the current ``chunk_bytes`` and ``own_bytes``.
 
         A change of layout opens a new epoch at the next push: members pre-post their receives for the wire of
         the epoch's last push, so the wire must not change under them within an epoch."""
-        _, total = arena_offsets(buckets)
         digest = layout_digest(buckets)
         if self._pg is not None and digest != getattr(self, "layout_digest", digest):
             self._broken = True
         self.buckets = buckets
         self.layout_digest = digest
-        self._total = total
-        self._whole = chunk_pieces(buckets, [(0, total)])[0] if total else []
-        self._names = [e.name for b in buckets for e in b.entries]
-        self._shapes = [(torch.Size(e.shape), TORCH_DTYPES[b.dtype]) for b in buckets for e in b.entries]
-        self._nbytes = float(sum(b.nbytes for b in buckets))
-        self._flat: tuple[list[int], list[torch.Tensor | None]] | None = None
-        if self.chunk_bytes:  # as asked: equal chunks, whatever the tensors
-            self._packed_cut = chunk_ranges(total, self.chunk_bytes)
-        else:
-            self._packed_cut = cut_arena(buckets, auto_chunk_bytes(total), self.own_bytes) if total else []
-        self.chunks: list[tuple[int, int]] = []
-        self._cut(self._packed_cut)
+        self._staging = SendStaging(buckets, self.transport, self.depth, self.chunk_bytes, self.own_bytes)
 
-    def _cut(self, chunks: list[tuple[int, int]]) -> None:
-        """Send the arena as these broadcasts (the push header tells members how it is cut)."""
-        if chunks == self.chunks:
-            return
-        self.chunks = chunks
-        self._pieces = chunk_pieces(self.buckets, self.chunks)
-        # per chunk, its tensors fetched by one C-level call, and the pieces that are parts of a tensor (at most
-        # the first and the last): the packing loop then does nothing per whole tensor in Python
-        self._pick = [_picker([p.index for p in pieces]) for pieces in self._pieces]
-        self._parts = [[(i, p) for i, p in enumerate(pieces) if not p.whole] for pieces in self._pieces]
-        self._slot_bytes = max((end - start for start, end in self.chunks), default=0)
-        self._slots: list[torch.Tensor] = []
-        self._dst: dict[int, list[torch.Tensor]] = {}
-
-    def _slot(self, slot: int) -> torch.Tensor:
-        """Packing slot bytes (allocated on first use, reused by every push)."""
-        while len(self._slots) <= slot:
-            self._slots.append(self.transport.empty(self._slot_bytes))
-        return self._slots[slot]
-
-    def _destinations(self, c: int) -> list[torch.Tensor]:
-        """Typed views of chunk c's pieces in its slot (computed once per layout)."""
-        if c not in self._dst:
-            raw = self._slot(c % self.depth)
-            views = []
-            for p in self._pieces[c]:
-                n = (p.stop - p.start) * TORCH_DTYPES[p.dtype].itemsize
-                view = raw[p.at:p.at + n].view(TORCH_DTYPES[p.dtype])
-                views.append(view.view(self._shapes[p.index][0]) if p.whole else view)
-            self._dst[c] = views
-        return self._dst[c]
-
-    def _sources(self, params: Mapping[str, torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
-        """Every tensor of the layout in order, checked against it, and per chunk its bytes where they lie in
-        parameter memory (sent as they are) or None (packed).
-
-        Per-tensor Python is what separates a push of many small tensors from one of a few large ones, so the
-        checks are C-level loops, and where every chunk lies in parameter memory (parameters kept flat) the
-        chunks' views are kept and reused while the tensors stay where they were (their addresses are compared;
-        the views keep that storage alive, so an address cannot be reused by another one meanwhile)."""
-        tensors = self._tensors(params)
-        if list(map(_SHAPE_DTYPE, tensors)) != self._shapes:
-            for name, (shape, dtype), t in zip(self._names, self._shapes, tensors):
-                if t.shape != shape or t.dtype != dtype:
-                    raise ValueError(f"parameter {name} is {tuple(t.shape)} {t.dtype}, the layout says "
-                                     f"{tuple(shape)} {dtype}: rebuild the layout")
-        ptrs = list(map(torch.Tensor.data_ptr, tensors))
-        if self._flat is not None and self._flat[0] == ptrs and all(map(torch.Tensor.is_contiguous, tensors)):
-            # (contiguity too: a tensor re-pointed at a transposed view of itself keeps its address)
-            return tensors, self._flat[1]
-        before = self.chunks
-        whole = None
-        if self.chunk_bytes is None and self._whole:  # the whole arena where it lies: one broadcast, as raw
-            whole = self._on_device(in_place_chunk(self._whole, [tensors[p.index] for p in self._whole], self._total))
-        if whole is not None:
-            self._cut([(0, self._total)])
-            sources: list[torch.Tensor | None] = [whole]
-        else:  # large tensors from their storage, runs of small ones packed (see cut_arena)
-            self._cut(self._packed_cut)
-            sources = [self._on_device(in_place_chunk(pieces, pick(tensors), end - start))
-                       for pieces, pick, (start, end) in zip(self._pieces, self._pick, self.chunks)]
-        if self.chunks != before and self._k > 0:  # members pre-posted for the old cut: a new epoch
-            self._broken = True
-        self._flat = (ptrs, sources) if all(src is not None for src in sources) else None
-        return tensors, sources
-
-    def _on_device(self, chunk: torch.Tensor | None) -> torch.Tensor | None:
-        """A chunk sent from parameter memory only if the transport takes it there (else None: packed into a
-        slot on the transport's device, e.g. parameters on CPU under NCCL)."""
-        return chunk if chunk is not None and self.transport.accepts(chunk) else None
-
-    def _tensors(self, params: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
-        try:
-            return list(map(params.__getitem__, self._names))
-        except KeyError as exc:
-            raise ValueError(f"parameter {exc} of the push layout is missing: rebuild the layout") from None
-
-    def _streamed(self, params: Mapping[str, torch.Tensor], stream: Streamed) -> tuple[list[torch.Tensor], list[None]]:
-        """ZeRO-3: the tensors are full one window at a time, during the push (``stream.before_chunk(c)`` gathers
-        chunk c's, see learner/zero3.py): every chunk is packed, on the stream's cut."""
-        tensors = self._tensors(params)
-        before, self._flat = self.chunks, None
-        self._cut(list(stream.cut))
-        if self.chunks != before and self._k > 0:  # members pre-posted for the old cut: a new epoch
-            self._broken = True
-        return tensors, [None] * len(self.chunks)
+    @property
+    def chunks(self) -> list[tuple[int, int]]:
+        """The current cut: the byte ranges of the arena sent as one broadcast each (the last push's, or the
+        layout's packed cut before any)."""
+        return self._staging.chunks
 
     @torch.no_grad()
     def push(self, params: Mapping[str, torch.Tensor], version: int,
@@ -389,9 +251,13 @@ class Sender:
         """
         t0 = time.perf_counter()
         receivers = len(self._members) + len(self._queued)
-        deadline = time.monotonic() + push_timeout_s(self.timeout_s, self._nbytes, receivers, self.min_gbps)
+        staging = self._staging
+        deadline = time.monotonic() + push_timeout_s(self.timeout_s, staging.nbytes, receivers, self.min_gbps)
         # a layout mismatch raises here, before anything is announced
-        tensors, sources = self._sources(params) if stream is None else self._streamed(params, stream)
+        before = staging.chunks
+        tensors, sources = staging.sources(params) if stream is None else staging.streamed(params, stream)
+        if staging.chunks != before and self._k > 0:  # members pre-posted for the old cut: a new epoch
+            self._broken = True
         dead, self._reported_dead = self._reported_dead, frozenset()
         self.drop(list(dead))
         if self._joins_seen.is_set():
@@ -429,22 +295,19 @@ class Sender:
         slot_work: dict[int, dist.Work] = {}
         pack_s = 0.0
         try:
-            for c, (start, end) in enumerate(self.chunks):
+            for c in range(len(staging.chunks)):
                 data = sources[c]  # already where the chunk puts it: sent as is
                 if data is None:
                     if stream is not None:
                         stream.before_chunk(c)
-                    srcs = self._pick[c](tensors)
-                    for i, p in self._parts[c]:
-                        srcs[i] = srcs[i].detach().reshape(-1)[p.start:p.stop]
-                    slot = c % self.depth
+                    pieces = staging.pieces(c, tensors)
+                    slot = staging.slot_of(c)
                     if slot in slot_work:  # the slot's previous chunk must be on the wire first
                         self.transport.wait(slot_work.pop(slot), deadline, f"broadcast of version {version}",
                                             abort, self.slice_s)
                     tp = time.perf_counter()
-                    torch._foreach_copy_(self._destinations(c), srcs)
+                    data = staging.pack(c, pieces)
                     pack_s += time.perf_counter() - tp
-                    data = self._slot(slot)[:end - start]
                     works.append(self.transport.broadcast(self._pg, data))
                     slot_work[slot] = works[-1]
                 else:
@@ -484,9 +347,9 @@ class Sender:
         self.version = version
         self._last = (e, k, [m.id for m in self._members])
         t_done = time.perf_counter()
-        return {**self._metrics(version, rebuilt, t0, t_ready), "sync/bytes": self._nbytes, "sync/pack_s": pack_s,
+        return {**self._metrics(version, rebuilt, t0, t_ready), "sync/bytes": staging.nbytes, "sync/pack_s": pack_s,
                 "sync/broadcast_s": t_sent - t_ready, "sync/ack_wait_s": t_done - t_sent, "sync/push_s": t_done - t0,
-                "sync/gbps": self._nbytes / max(t_done - t_ready, 1e-9) / 1e9, "sync/acked_time": time.time()}
+                "sync/gbps": staging.nbytes / max(t_done - t_ready, 1e-9) / 1e9, "sync/acked_time": time.time()}
 
     def _metrics(self, version: int, rebuilt: bool, t0: float, t_ready: float) -> dict[str, float]:
         return {"sync/version": float(version), "sync/epoch": float(self.epoch),

@@ -16,7 +16,7 @@ import traceback
 import pytest
 import torch
 import torch.multiprocessing as mp
-from conftest import stop_process
+from conftest import poll_joiners, stop_process
 
 from async_rlhf.sync.group import free_port
 from async_rlhf.sync.layout import TensorSpec, layout_from_wire, layout_to_wire, plan_buckets
@@ -268,7 +268,7 @@ def test_dead_and_hung_receivers_are_named_then_group_rebuilt_and_late_joiner_se
     # version before doing anything else
     members.start(sender.port, "gen1", ["recv"])
     deadline = time.monotonic() + SPAWN_S
-    while not sender.poll_joiners():
+    while not poll_joiners(sender):
         assert time.monotonic() < deadline, "the restarted gen1 never asked to join"
         time.sleep(0.05)
     metrics = sender.push(make_params(4), 4)

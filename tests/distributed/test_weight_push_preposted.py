@@ -8,6 +8,7 @@ import time
 
 import pytest
 import torch
+from conftest import joins_noticed, poll_joiners
 
 from async_rlhf.sync.layout import TensorSpec, plan_buckets
 from async_rlhf.sync.receiver import Receiver
@@ -100,7 +101,7 @@ def test_a_layout_change_opens_a_new_epoch_and_a_joiner_moves_preposted_members(
     th0 = gen0.receive(1)
     gen1 = Member(sender, "gen1", buckets)
     th1 = gen1.receive(1)
-    wait_until(lambda: "gen1" in sender.poll_joiners(), "gen1 to ask to join")
+    wait_until(lambda: "gen1" in poll_joiners(sender), "gen1 to ask to join")
     sender.push(params(2), 2)
     th0.join(10)
     th1.join(10)
@@ -137,7 +138,7 @@ def test_receives_that_outlive_the_group_timeout_join_again_and_get_the_next_ver
     sender.push(params(1), 1)
     wait_until(lambda: len(gen0.got) == 1, "version 1")
     th = gen0.receive(1)  # pre-posts for push 1 of epoch 0, which comes only after the group's timeout
-    wait_until(lambda: sender.joins_noticed, "gen0 to join again once its receives expired", limit_s=10.0)
+    wait_until(lambda: joins_noticed(sender), "gen0 to join again once its receives expired", limit_s=10.0)
     sender.push(params(2), 2)
     th.join(10)
     assert [g.version if not isinstance(g, Exception) else g for g in gen0.got] == [1, 2]
@@ -163,7 +164,7 @@ def test_a_member_that_changes_layout_alone_refuses_the_push_and_the_next_one_na
     assert "w" in gen0.model and torch.equal(gen0.model["w"], params(1)["w"]), "a refused version was loaded"
 
     # it asked to join again, so the next push rebuilds the group, and there it refuses before any byte
-    wait_until(lambda: sender.joins_noticed, "gen0 to ask to join again")
+    wait_until(lambda: joins_noticed(sender), "gen0 to ask to join again")
     th = gen0.receive(1)
     with pytest.raises(PushError) as info:
         sender.push(params(3), 3)

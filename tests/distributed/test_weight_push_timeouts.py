@@ -7,6 +7,7 @@ import time
 
 import pytest
 import torch
+from conftest import joins_noticed, poll_joiners
 
 from async_rlhf.sync import protocol as P
 from async_rlhf.sync.group import SyncTimeout, free_port
@@ -77,7 +78,7 @@ def test_admitted_member_that_never_gets_ready_is_named_and_can_be_dropped():
     sender = Sender(BUCKETS, HOST, free_port(), timeout_s=1.0)
     sender.store.queue_push(P.JOIN_QUEUE, P.encode_join(P.Member("ghost", "x")))  # asks, then vanishes
     deadline = time.monotonic() + 5.0
-    while not sender.joins_noticed:  # the sender's watcher sees the request by itself, off the push's path
+    while not joins_noticed(sender):  # the sender's watcher sees the request by itself, off the push's path
         assert time.monotonic() < deadline, "the sender never noticed the join request"
         time.sleep(0.01)
     with pytest.raises(PushError) as info:
@@ -120,7 +121,7 @@ def test_dropped_member_is_told_it_was_excluded_and_can_join_again():
 
     th = run(lambda: rx.receive(load, timeout_s=10.0))  # joins again, gets the next version
     deadline = time.monotonic() + 10
-    while not sender.poll_joiners():
+    while not poll_joiners(sender):
         assert time.monotonic() < deadline
         time.sleep(0.01)
     sender.push(params(3), 3)

@@ -115,7 +115,7 @@ def test_every_tensor_the_backend_gets_is_on_the_transports_device() -> None:
         kinds = {(rank, kind) for rank, kind, _ in wire.devices}
         assert {(r, k) for r in range(3) for k in ("broadcast", "allreduce")} <= kinds
         assert {d for _, _, d in wire.devices} == {torch.device("meta")}
-        assert sender._slots and all(s.device.type == "meta" for s in sender._slots)
+        assert sender._staging.slots and all(s.device.type == "meta" for s in sender._staging.slots)
         assert seen and set(seen) == {torch.device("meta")}  # the engine is handed views of the device arena
     finally:
         sender.close()

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-from conftest import stop_process
+from conftest import poll_joiners, stop_process
 from vllm_engine import expect
 
 from async_rlhf.sync.group import free_port
@@ -269,7 +269,7 @@ def test_late_joiner_serves_the_current_version_first_and_a_killed_engine_is_dro
     # gen1 starts late: it asks to join and blocks in receive before serving anything
     gen1 = stack["engines"]["gen1"] = Engine(stack["model_dir"], sender.port, stack["layout"], "gen1", late=True)
     deadline = time.monotonic() + ENGINE_START_S
-    while not sender.poll_joiners():
+    while not poll_joiners(sender):
         assert gen1.proc.is_alive() and time.monotonic() < deadline, "gen1 never asked to join"
         time.sleep(0.1)
     gen0.ask("receive")
