@@ -17,9 +17,33 @@ import time
 import traceback
 from typing import Any
 
+from async_rlhf.generator.worker_ext import WeightSyncWorker
+from async_rlhf.sync.layout import layout_from_wire
+
 HOST = "127.0.0.1"
 BASE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false", "VLLM_LOGGING_LEVEL": "ERROR"}
 CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+
+
+class StandingWorker(WeightSyncWorker):
+    """The generator's worker extension plus what only tests ask of it: receive and load the next version
+    standing still, and switch the bucket layout."""
+
+    def receive_update(self, timeout_s: float | None = None, refresh_lm_head: bool = True) -> dict[str, Any]:
+        """Receive and load the next pushed version (``sync/pause_s``: all of it, the engine stands still)."""
+        t0 = time.perf_counter()
+        self.start_fetching(timeout_s)
+        got = self.apply_update(refresh_lm_head, timeout_s)
+        return {**got, "sync/pause_s": time.perf_counter() - t0}
+
+    def set_weight_layout(self, layout: list[dict[str, Any]]) -> None:
+        """Change the bucket layout (the sender changes it at the same version boundary)."""
+        self._get_receiver().use_layout(layout_from_wire(layout))
+
+
+EXTENSION = f"{__name__}.StandingWorker"
+"""``worker_extension_cls`` of the test engines (this module is importable where they run: tests/ is on the
+path of the spawned engine process, as of pytest's)."""
 
 
 def engine_process(model_dir: str, port: int, layout: list, engine: dict[str, Any], cmds: Any, out: Any,
@@ -30,7 +54,7 @@ def engine_process(model_dir: str, port: int, layout: list, engine: dict[str, An
     try:
         from vllm import LLM, SamplingParams
 
-        llm = LLM(model=model_dir, seed=0, worker_extension_cls="async_rlhf.generator.worker_ext.WeightSyncWorker",
+        llm = LLM(model=model_dir, seed=0, worker_extension_cls=EXTENSION,
                   **engine)
         llm.collective_rpc("init_receiver", args=(HOST, port, "gen0", layout, sync_backend, timeout_s,
                                                   *receiver_args))

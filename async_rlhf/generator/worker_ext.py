@@ -17,8 +17,7 @@ vLLM instantiates this class as a mixin of its worker (``LLM(worker_extension_cl
     ... then, between two engine steps:
       collective_rpc("apply_update")        --->  reload_weights from that slot, redo the tied lm_head's
                                                   packing, mark the version live
-    (a late joiner or a restarted generator: start_fetching, then apply_update before serving anything;
-     receive_update does both, standing still: tests)
+    (a late joiner or a restarted generator: start_fetching, then apply_update before serving anything)
 
 With two receive slots (``sync.receive_buffers``) the next version arrives while the engine still serves
 the last one; versions that arrive faster than the engine swaps are skipped (only the newest is loaded).
@@ -99,10 +98,6 @@ class WeightSyncWorker:
         member_id = tp_member_id(member_id, self.rank % tp, tp)
         self._receiver = Receiver(layout_from_wire(layout), member_id, host, port, backend, timeout_s,
                                   buffers=buffers, min_gbps=min_gbps)
-
-    def set_weight_layout(self: LikeWorker, layout: list[dict[str, Any]]) -> None:
-        """Change the bucket layout (the sender must change it at the same version boundary)."""
-        self._get_receiver().use_layout(layout_from_wire(layout))
 
     def join_push_group(self: LikeWorker, timeout_s: float | None = None) -> int:
         """Initial member: block until the sender forms the group; returns the epoch."""
@@ -222,14 +217,6 @@ class WeightSyncWorker:
         got = rx.apply(staged, load)
         return {"version": got.version, "epoch": got.epoch, **got.metrics, "sync/coalesced": float(rx.coalesced),
                 "sync/pause_s": time.perf_counter() - t0}
-
-    def receive_update(self: LikeWorker, timeout_s: float | None = None,
-                       refresh_lm_head: bool = True) -> dict[str, Any]:
-        """Receive and load the next pushed version, standing still (``sync/pause_s``: all of it)."""
-        t0 = time.perf_counter()
-        self.start_fetching(timeout_s)
-        got = self.apply_update(refresh_lm_head, timeout_s)
-        return {**got, "sync/pause_s": time.perf_counter() - t0}
 
     def _get_receiver(self: LikeWorker) -> Receiver:
         if self._receiver is None:

@@ -28,7 +28,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from conftest import poll_joiners, stop_process
-from vllm_engine import expect
+from vllm_engine import EXTENSION, expect
 
 from async_rlhf.sync.group import free_port
 from async_rlhf.sync.layout import TensorSpec, layout_from_wire, layout_to_wire, plan_buckets
@@ -54,7 +54,7 @@ def _engine(model_dir: str, port: int, layout: list, member_id: str, late: bool,
         from vllm.sampling_params import RequestOutputKind
 
         llm = LLM(model=model_dir, dtype="float32", enforce_eager=True, max_model_len=64, seed=0,
-                  worker_extension_cls="async_rlhf.generator.worker_ext.WeightSyncWorker")
+                  worker_extension_cls=EXTENSION)
         llm.collective_rpc("init_receiver", args=(HOST, port, member_id, layout, "gloo", TIMEOUT_S))
         served = [0]  # the version the engine serves (it starts from the checkpoint: v0)
         if late:  # like GeneratorActor.init_weight_sync(late=True): take the next version before serving
