@@ -295,8 +295,8 @@ class Cluster:
 
 def port_taken(exc: BaseException) -> bool:
     """Whether a role failed because the port it was to listen on was taken (EADDRINUSE)."""
-    text = str(exc)
-    return "EADDRINUSE" in text or "ddress already in use" in text
+    text = str(exc).lower()
+    return "eaddrinuse" in text or "address already in use" in text
 
 
 class NodeSetupError(RuntimeError):
