@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -150,9 +149,11 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 def default_generators() -> int:
     """One generator per two cores beside the learner's: on 2 cores, 1. A second generator there can only borrow
-    the learner's core, and costs more than it brings (measured: 8.7 learner steps/s with 2 against 9.4 with 1;
-    the learner's forward/backward 82 ms against 62, every generator swapping at every version)."""
-    return max(1, (len(os.sched_getaffinity(0)) - 1) // 2)
+    the learner's core, and costs more than it brings (measured on addition3: 7.8-8.7 learner steps/s with 2 at
+    nice +10 to +19 against 9.4 with 1; the learner's forward/backward 82-88 ms against 62)."""
+    from async_rlhf.driver.cpu_plan import available_cores
+
+    return max(1, (len(available_cores()) - 1) // 2)
 
 
 def run_ours(cfg_args: list[str], group_size: int, model_dir: str, budget_s: float, eval_every: int,
@@ -237,8 +238,8 @@ def compare(task: str, budget_s: float, eval_every_s: float, out_dir: Path, mode
         print(f"[{task}] TRL GRPOTrainer, {budget_s:.0f} s of training", flush=True)
         trl = run_trl(cfg, model_dir, budget_s, eval_every_s, work)
         print(f"[{task}] async_rlhf, {budget_s:.0f} s from its first step", flush=True)
-        # our evaluations run on generator 0 inside our clock (200 greedy prompts, ~0.2 s of its time): every
-        # ~4 s of training. Every 10 versions on addition cost it ~16% of its generation, a fifth of the fleet
+        # our evaluations run on generator 0 inside our clock (200 greedy prompts, ~0.2 s of its time), so every
+        # 40 versions (~4 s of training); every 10 took about a sixth of the one generator's time on addition
         eval_every = {"longtail": 5}.get(task, 40)
         ours = run_ours(TASKS[task] + SHARED, cfg.train.group_size, model_dir, budget_s, eval_every, work, generators)
         (out_dir / f"{task}_ours.log").write_text((work / "ours.log").read_text())

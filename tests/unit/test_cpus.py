@@ -47,6 +47,9 @@ def test_on_a_small_host_generators_borrow_the_learners_cores_at_lower_priority(
     assert cores(plan, "learner 0") == (1,)
     assert [plan.placements[f"generator {i}"].nice for i in range(2)] == [10, 10]
     assert plan.placements["learner 0"].nice == 0 and "borrow" in plan.warnings[-1]
+    assert "--generators 1" in plan.warnings[-1]  # on 2 cores: the faster fleet is named
+    four = plan_cpus((0, 1, 2, 3), generators=4, learners=1)  # borrows too, but the 2-core advice is not its
+    assert "borrow" in four.warnings[-1] and "--generators 1" not in four.warnings[-1]
     assert plan_cpus((0, 1), 2, 1, generator_nice=5).placements["generator 0"].nice == 5
     roomy = plan_cpus(tuple(range(8)), generators=2, learners=1)  # enough cores: fleets kept apart
     assert not set(roomy.cores_of("generator")) & set(roomy.cores_of("learner"))
