@@ -26,6 +26,7 @@ drops that group after ``buffer.reward_deadline_s`` with reason ``reward_timeout
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -79,7 +80,6 @@ class GeneratorActor(LoopPhases):
         self.env = make_env(cfg.task)
         self.policy = EnginePolicy(self._add_turn_request, self._encode, self._decode,
                                    cfg.generator.max_new_tokens, cfg.model.max_model_len)
-        self._sampling: dict[int, Any] = {}
         self._groups: dict[str, Any] = {}
         """Prompt groups admitted and not yet put (``GroupRunner.groups`` while the loop runs)."""
         self.version = 0
@@ -182,10 +182,9 @@ class GeneratorActor(LoopPhases):
         patience = cfg.buffer.redis_retry_s + cfg.buffer.request_timeout_s
         # detokenize=False: the loop reads token ids and log-probs only (text is decoded once per finished turn,
         # by the policy); vLLM's per-token detokenizing of outputs and log-prob tokens cost ~10% of its step here
-        self._sampling = {n: SamplingParams(max_tokens=n, temperature=gen_cfg.temperature, logprobs=0,
-                                            stop_token_ids=self.stop_ids, output_kind=RequestOutputKind.DELTA,
-                                            detokenize=False)
-                          for n in range(1, gen_cfg.max_new_tokens + 1)}
+        self._rollout_params = functools.cache(lambda max_tokens, n: SamplingParams(
+            n=n, max_tokens=max_tokens, temperature=gen_cfg.temperature, logprobs=0, stop_token_ids=self.stop_ids,
+            output_kind=RequestOutputKind.DELTA, detokenize=False))
         from async_rlhf.prompts.build import make_prompts
         from async_rlhf.rewards.build import make_rewards
 
@@ -259,13 +258,6 @@ class GeneratorActor(LoopPhases):
 
         return common_staged(self.llm.collective_rpc("staged_version"))
 
-    def _swap_due(self, staged: int, now: float) -> bool:
-        """Whether to load the staged version now: every ``generator.min_swap_interval_s`` at most, unless
-        the engine already lags it by ``train.max_staleness`` versions (its tokens would soon be too stale)."""
-        lag = staged - self.version
-        return staged < 0 or now - self._last_swap >= self.cfg.generator.min_swap_interval_s or (
-            lag >= max(1, self.cfg.train.max_staleness))
-
     def _load_version(self) -> None:
         self.timeline.enter("paused_for_push")
         self._last_swap = time.monotonic()
@@ -332,9 +324,9 @@ class GeneratorActor(LoopPhases):
     def _decode(self, token_ids: list[int]) -> str:
         return str(self.tokenizer.decode(token_ids, skip_special_tokens=True))
 
-    def _add_turn_request(self, request_id: str, context_ids: list[int], max_tokens: int) -> None:
+    def _add_turn_request(self, request_id: str, context_ids: list[int], max_tokens: int, n: int) -> None:
         self.policy.version = self.version  # observation tokens are stamped with the version being served
-        self.engine.add_request(request_id, {"prompt_token_ids": context_ids}, self._sampling[max_tokens])
+        self.engine.add_request(request_id, {"prompt_token_ids": context_ids}, self._rollout_params(max_tokens, n))
 
     def _record(self, event: str, gid: str, rewards: list[float] | None, reason: str) -> None:
         """Ledger and counters of the GroupRunner's events (see ``generator/groups.py``)."""

@@ -4,7 +4,8 @@ Coroutines on an event loop owned by the generator's loop thread, run in slices 
 :meth:`GroupRunner.pump` (nothing here blocks the engine for long: the buffer calls are short requests)::
 
     start(gid, prompt) -> task: gather(env.rollout x group_size)        engine requests via the policy
-                            every reward source immediate?  score_now -> put(group with rewards)
+                            every reward source immediate?  score_now -> queued; at the end of the pump
+                                                          the groups rewarded in it go in one put
                             otherwise                     put(group, rewards_pending) -> task keeps awaiting
                                                           rewards.score (timeout) -> client.reward(gid, ...)
                                                                                      on the reward thread
@@ -31,6 +32,7 @@ from async_rlhf.buffer.client import BufferClient, with_retry
 from async_rlhf.env.base import Environment, Policy, Prompt, Trajectory
 from async_rlhf.generator.rollout import to_group
 from async_rlhf.rewards.base import Completion, RewardSource
+from async_rlhf.types import Group
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +69,8 @@ class GroupRunner:
         self.reward_tasks: set[asyncio.Task[None]] = set()
         """Put with rewards pending; their rewards are still being computed."""
         self.last_pump = 0.0
+        self._rewarded: list[Group] = []
+        """Groups rewarded during this pump, put together at its end (still in ``groups`` until then)."""
 
     def start(self, gid: str, prompt: Prompt, prompt_ids: list[int]) -> None:
         self.groups[gid] = self.loop.create_task(self._play(gid, prompt, prompt_ids))
@@ -77,6 +81,25 @@ class GroupRunner:
         self.last_pump = time.monotonic()
         for _ in range(3):
             self.loop.run_until_complete(asyncio.sleep(0))
+        self._put_rewarded()
+
+    def _put_rewarded(self) -> None:
+        """Put the groups rewarded during this pump in one request: each put is a round trip to the buffer the
+        loop waits for, and one per group took a fifth of a generator's time on the tiny model. A buffer that
+        stays unreachable leaves them admitted and not put (as a failed single put did); the loop releases them
+        when it ends."""
+        if not self._rewarded:
+            return
+        batch, self._rewarded = self._rewarded, []
+        try:
+            with_retry(lambda: self.client.put_many(batch), f"put of {len(batch)} group(s)", self.patience_s)
+        except Exception as exc:  # noqa: BLE001 - logged; the groups stay open, released at the end
+            log.warning("generator %d: could not put %d group(s) (%s): %s", self.generator, len(batch),
+                        ", ".join(g.group_id for g in batch), exc)
+            return
+        for group in batch:
+            del self.groups[group.group_id]
+            self.record("put", group.group_id, [s.reward for s in group.samples], "")
 
     def cancel_all(self) -> int:
         """Cancel every group and reward task (the loop is ending); returns how many groups were not put."""
@@ -128,11 +151,8 @@ class GroupRunner:
                 log.exception("generator %d: reward failed for group %s", self.generator, gid)
                 self._fail(gid, f"reward_error: {exc!r}", "reward_errors")
                 return
-            group = to_group(gid, ids, trajs, final, self.generator, meta, start_version, t_start)
-            with_retry(lambda: self.client.put(group), f"put {gid}", self.patience_s)
-            del self.groups[gid]
-            self.record("put", gid, [s.reward for s in group.samples], "")
-            return
+            self._rewarded.append(to_group(gid, ids, trajs, final, self.generator, meta, start_version, t_start))
+            return  # put at the end of this pump
         group = to_group(gid, ids, trajs, [0.0] * n, self.generator, meta, start_version, t_start)
         with_retry(lambda: self.client.put(group, rewards_pending=True), f"put {gid}", self.patience_s)
         del self.groups[gid]

@@ -44,7 +44,16 @@ class LoopPhases:
     timeline: Any
     counters: dict[str, Any]
     policy: Any
+    _last_swap: float
+    """When the engine last loaded a version (``time.monotonic``)."""
     chat: Any
+
+    def _swap_due(self, staged: int, now: float) -> bool:
+        """Whether to load the staged version now: every ``generator.min_swap_interval_s`` at most, unless
+        the engine already lags it by ``train.max_staleness`` versions (its tokens would soon be too stale)."""
+        lag = staged - self.version
+        return staged < 0 or now - self._last_swap >= self.cfg.generator.min_swap_interval_s or (
+            lag >= max(1, self.cfg.train.max_staleness))
 
     def _swap_phase(self, st: LoopState) -> bool:
         """A weight update, received by the worker's fetch thread while the engine keeps generating, swapped in
@@ -91,9 +100,10 @@ class LoopPhases:
             st.last_refused = time.monotonic()
         if granted and live > self.version and not drain and st.eval_pending == 0:
             # the buffer's version is held by every generator (it is set once the push is acknowledged):
-            # serve it before starting these groups, or they are born stale
+            # serve it before starting these groups, or they are born behind; with min_swap_interval_s, only
+            # when due (they may start up to max_staleness - 1 versions behind: each swap pauses the engine)
             st.staged = self._staged()
-            if st.staged is not None and st.staged >= live:
+            if st.staged is not None and st.staged >= live and self._swap_due(st.staged, time.monotonic()):
                 self._load_version()
                 st.staged = None
         for _ in range(granted):
@@ -107,6 +117,7 @@ class LoopPhases:
     def _step_phase(self, st: LoopState, runner: GroupRunner, rewards: Any) -> None:
         """One engine step: new tokens stamped with the version that computed them, finished held-out requests
         collected; or, with nothing for the engine, a short wait while environments and late rewards run."""
+        self.policy.flush()  # turns asked for since the last pump
         if not self.engine.has_unfinished_requests():
             self._clock.idle()
             # idle with groups in flight: they await their environment or a late reward
@@ -126,9 +137,9 @@ class LoopPhases:
             c = out.outputs[0]
             lps = [lp[tok].logprob for tok, lp in zip(c.token_ids, c.logprobs or [])]
             self.counters["tokens"] += len(c.token_ids)
-            self.policy.on_output(out.request_id, list(c.token_ids), lps, stamp,
-                                  c.finish_reason if out.finished else None)
-            finished = finished or out.finished
+            # one output per sample: a request of n samples (a group's turns, see rollout.py) names it by index
+            self.policy.on_output(out.request_id, list(c.token_ids), lps, stamp, c.finish_reason, c.index)
+            finished = finished or c.finish_reason is not None
         if finished or runner.reward_tasks or time.monotonic() - runner.last_pump > 0.01:
             runner.pump()
 

@@ -2,10 +2,16 @@
 engine is reached through ``add_request``; tests drive it with plain callables).
 
     env coroutine                      EnginePolicy                          actor loop (one thread)
-    await policy.generate(ctx) -> add_request("t<k>", ctx, max_tokens) -> engine.step() ... deltas
-                                  tokens += delta, versions += [served version] <- on_output(...)
+    await policy.generate(ctx) -> queued as turn "t<k>"
+                                  flush() (next loop pass, or before the
+                                  engine steps): one add_request per
+                                  distinct (ctx, max_tokens), n = turns  -> engine.step() ... deltas
+                                  tokens += delta, versions += [served version] <- on_output(id, .., index)
           <- Turn (resolved future)  <- finished                              pump(): coroutines resume
 
+The turns of one group start together with the same context (a single-turn environment's group_size
+rollouts of one prompt): they go to vLLM as one request of n samples, which it prepares once instead of n
+times (preparing a request cost a sixth of a generator's time on the tiny model when each went alone).
 Every token carries the version that was being served when it came out of the engine, so a turn that spans
 an in-flight weight swap is stamped exactly.
 """
@@ -24,8 +30,9 @@ import numpy as np
 from async_rlhf.env.base import Trajectory, Turn
 from async_rlhf.types import Group
 
-AddRequest = Callable[[str, list[int], int], None]
-"""add_request(request_id, context_ids, max_tokens)."""
+AddRequest = Callable[[str, list[int], int, int], None]
+"""add_request(request_id, context_ids, max_tokens, n): n samples after one context under one request id
+(the engine's outputs then name the sample by its index, 0..n-1)."""
 
 
 @dataclass
@@ -51,6 +58,11 @@ class EnginePolicy:
         self.prefix = prefix
         self._ids = itertools.count()
         self.requests: dict[str, _Request] = {}
+        """Open turns by turn id (queued or in the engine)."""
+        self._queued: list[tuple[str, list[int], int]] = []
+        """Turns asked for since the last flush: (turn id, context, max_tokens)."""
+        self._in_engine: dict[str, list[str]] = {}
+        """Engine request id -> the turn id of each of its sample indexes (a single turn: its own id)."""
 
     def encode(self, text: str) -> list[int]:
         return self._encode(text)
@@ -64,39 +76,67 @@ class EnginePolicy:
         if room <= 0:
             return Turn([], [], [], "length")
         rid = f"{self.prefix}{next(self._ids)}"
-        req = _Request(asyncio.get_running_loop().create_future())
+        loop = asyncio.get_running_loop()
+        req = _Request(loop.create_future())
         self.requests[rid] = req
-        try:
-            self._add_request(rid, list(context_ids), room)
-        except Exception:
-            del self.requests[rid]
-            raise
+        if not self._queued:
+            loop.call_soon(self.flush)  # after every coroutine started in this pass has asked for its turn
+        self._queued.append((rid, list(context_ids), room))
         return await req.future
 
+    def flush(self) -> None:
+        """Send the queued turns to the engine: one request per distinct (context, max_tokens), of as many
+        samples as turns asked for it. A request the engine refuses fails its turns (their ``generate``
+        raises). Idempotent; the actor also calls it before an engine step."""
+        queued, self._queued = self._queued, []
+        same: dict[tuple[tuple[int, ...], int], list[str]] = {}
+        for rid, context, room in queued:
+            if rid in self.requests and not self.requests[rid].future.done():  # not cancelled meanwhile
+                same.setdefault((tuple(context), room), []).append(rid)
+            else:
+                self.requests.pop(rid, None)
+        for (context, room), rids in same.items():
+            engine_id = rids[0] if len(rids) == 1 else f"{self.prefix}n{next(self._ids)}"
+            self._in_engine[engine_id] = rids
+            try:
+                self._add_request(engine_id, list(context), room, len(rids))
+            except Exception as exc:
+                del self._in_engine[engine_id]
+                for rid in rids:
+                    self.requests.pop(rid).future.set_exception(exc)
+
     def owns(self, request_id: str) -> bool:
-        return request_id in self.requests
+        """Whether ``request_id`` (an engine request id) is one of this policy's open requests."""
+        return request_id in self._in_engine
 
     def on_output(self, request_id: str, token_ids: list[int], logprobs: list[float], version: int,
-                  finish_reason: str | None) -> None:
-        """New tokens of one request (a delta); resolves its turn when ``finish_reason`` is set."""
-        req = self.requests[request_id]
+                  finish_reason: str | None, index: int = 0) -> None:
+        """New tokens of sample ``index`` of engine request ``request_id`` (a delta); resolves its turn when
+        ``finish_reason`` is set."""
+        turns = self._in_engine[request_id]
+        rid = turns[index]
+        req = self.requests[rid]
         if len(token_ids) != len(logprobs):
-            raise ValueError(f"request {request_id}: {len(token_ids)} tokens but {len(logprobs)} logprobs")
+            raise ValueError(f"request {rid}: {len(token_ids)} tokens but {len(logprobs)} logprobs")
         req.tokens += token_ids
         req.logprobs += logprobs
         req.versions += [version] * len(token_ids)
         if finish_reason is not None:
-            del self.requests[request_id]
+            del self.requests[rid]
+            if not any(r in self.requests for r in turns):
+                del self._in_engine[request_id]
             if not req.future.done():
                 req.future.set_result(Turn(req.tokens, req.logprobs, req.versions, finish_reason))
 
     def cancel_all(self) -> list[str]:
-        """Fail every open turn (the loop is stopping); returns their request ids to abort in the engine."""
-        ids = list(self.requests)
+        """Fail every open turn (the loop is stopping); returns the engine request ids to abort."""
+        ids = list(self._in_engine)
         for req in self.requests.values():
             if not req.future.done():
                 req.future.cancel()
         self.requests.clear()
+        self._in_engine.clear()
+        self._queued.clear()
         return ids
 
     def __len__(self) -> int:

@@ -23,8 +23,13 @@ def test_auto_gives_each_role_its_own_cores_in_proportion() -> None:
     assert plan.cores_of("learner") == (6, 7)
     assert plan.cores_of("generator") == (0, 1, 2, 3, 4, 5)
     assert [cores(plan, f"generator {i}") for i in range(3)] == [(0, 1), (2, 3), (4, 5)]
-    assert cores(plan, "buffer") == plan.cores_of("generator")
+    assert cores(plan, "buffer") == plan.cores_of("learner"), "the buffer answers puts beside the learners"
     assert not plan.oversubscribed
+
+
+def test_buffer_beside_the_generators_on_a_node_without_learners() -> None:
+    plan = plan_cpus((0, 1, 2, 3), generators=2, learners=0)
+    assert cores(plan, "buffer") == (0, 1, 2, 3) == plan.cores_of("generator")
 
 
 def test_two_cores_one_generator_one_learner_split_one_each() -> None:

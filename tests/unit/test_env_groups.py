@@ -6,6 +6,7 @@ import time
 
 import pytest
 
+from async_rlhf.buffer.client import BufferUnavailable
 from async_rlhf.env.base import Prompt, SingleTurnEnv, Turn
 from async_rlhf.env.guess_number import GuessNumberEnv
 from async_rlhf.generator.groups import GroupRunner
@@ -18,9 +19,18 @@ class Client:
         self.rewards: dict[str, list[float]] = {}
         self.released = 0
 
+        self.requests = 0
+        self.down = False
+
     def put(self, group, rewards_pending: bool = False) -> bool:
-        self.puts.append((group.group_id, rewards_pending, [s.reward for s in group.samples]))
-        return True
+        return self.put_many([group], rewards_pending=rewards_pending)[0]
+
+    def put_many(self, groups, rewards_pending: bool = False) -> list[bool]:
+        if self.down:
+            raise BufferUnavailable("buffer gone")
+        self.requests += 1
+        self.puts += [(g.group_id, rewards_pending, [s.reward for s in g.samples]) for g in groups]
+        return [True] * len(groups)
 
     def reward(self, gid: str, rewards: list[float]) -> dict:
         self.rewards[gid] = rewards
@@ -82,6 +92,26 @@ def test_immediate_rewards_put_the_group_once_generated():
     drive(runner, lambda: client.puts)
     assert client.puts == [("g1", False, [1.0, 1.0, 1.0])] and not runner.groups
     assert events == [("put", "g1", [1.0, 1.0, 1.0], "")]
+    runner.close()
+
+
+def test_groups_rewarded_in_one_pump_are_put_in_one_request():
+    runner, client, events = make_runner(SingleTurnEnv(), FunctionReward(lambda p, c, d: 1.0))
+    for gid in ("g1", "g2", "g3"):
+        runner.start(gid, Prompt("x"), [1])
+    drive(runner, lambda: client.puts)
+    assert client.requests == 1 and [p[0] for p in client.puts] == ["g1", "g2", "g3"] and not runner.groups
+    assert [e[:2] for e in events] == [("put", "g1"), ("put", "g2"), ("put", "g3")]
+    runner.close()
+
+
+def test_a_put_that_fails_leaves_its_groups_open_and_is_never_raised():
+    runner, client, events = make_runner(SingleTurnEnv(), FunctionReward(lambda p, c, d: 1.0))
+    client.down = True
+    runner.start("g1", Prompt("x"), [1])
+    drive(runner, lambda: runner.groups["g1"].done())  # rewarded; its put retried for patience_s (1 s), given up
+    assert list(runner.groups) == ["g1"] and events == [] and client.puts == []
+    assert runner.cancel_all() == 1, "released as not put when the loop ends"
     runner.close()
 
 

@@ -4,6 +4,7 @@ real loop runs them in turn on a vLLM engine: tests/integration)."""
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -30,10 +31,12 @@ class Engine:
         return out
 
 
-def output(rid: str, tokens: list[int], finished: bool) -> Any:
+def output(rid: str, tokens: list[int], finished: bool, index: int = 0) -> Any:
+    """vLLM's delta for sample ``index`` of a request (finish_reason only on its last delta)."""
     lps = [{t: SimpleNamespace(logprob=-0.5)} for t in tokens]
     return SimpleNamespace(request_id=rid, finished=finished,
-                           outputs=[SimpleNamespace(token_ids=tokens, logprobs=lps, finish_reason="stop")])
+                           outputs=[SimpleNamespace(token_ids=tokens, logprobs=lps, index=index,
+                                                    finish_reason="stop" if finished else None)])
 
 
 class Generator(LoopPhases):
@@ -44,18 +47,17 @@ class Generator(LoopPhases):
         self.gen_id, self.version, self.engine = gen_id, 0, Engine()
         self.timeline = SimpleNamespace(states=[], enter=lambda s: self.timeline.states.append(s))
         self.counters: dict[str, Any] = {"tokens": 0}
-        self.policy = SimpleNamespace(outputs=[], on_output=lambda *a: self.policy.outputs.append(a))
+        self.policy = SimpleNamespace(outputs=[], on_output=lambda *a: self.policy.outputs.append(a),
+                                      flush=lambda: None)
         self.chat = SimpleNamespace(prepare=lambda p: (p, [7, len(p.text)]))
         self._heldout_ids = [[1, 2], [3]]
         self._awaiting_first, self._groups, self._draining = False, {}, threading.Event()
         self._position, self._run_tag, self._clock = 0, "t", VersionClock(0)
         self.staged_version, self.loads, self.evals = staged, [], []
+        self._last_swap = time.monotonic()
 
     def _staged(self) -> int | None:
         return self.staged_version
-
-    def _swap_due(self, staged: int, now: float) -> bool:
-        return True
 
     def _load_version(self) -> None:
         self.loads.append(self.staged_version)
@@ -146,16 +148,28 @@ def test_admission_serves_the_buffers_live_version_before_starting_groups() -> N
     assert gen.loads == [4] and gen.version == 4 and len(runner.started) == 3
 
 
+def test_admission_with_a_swap_interval_starts_groups_behind_within_the_staleness_bound() -> None:
+    gen, st, runner = Generator("generator.min_swap_interval_s=60", "train.max_staleness=2", staged=4), LoopState(), \
+        Runner()
+    gen.version = 3
+    gen._admit_phase(st, Client(granted=1, live=4), Problems(), SOURCE, runner, patience=1.0)
+    assert gen.loads == [] and gen.version == 3 and len(runner.started) == 1, "one behind: not due yet"
+    gen.staged_version, st.last_refused = 5, 0.0
+    gen._admit_phase(st, Client(granted=1, live=5), Problems(), SOURCE, runner, patience=1.0)
+    assert gen.loads == [5] and len(runner.started) == 2, "two behind (max_staleness): loaded before starting"
+
+
 def test_a_step_stamps_tokens_with_the_serving_version_and_collects_held_out_answers() -> None:
     gen, st, runner = Generator(), LoopState(), Runner()
     gen.version, st.eval_version, st.eval_pending = 5, 4, 2
     gen.engine.outputs = [output("g-0", [11, 12], False), output(f"{EVAL_PREFIX}1", [9], True)]
     gen._step_phase(st, runner, rewards=None)
-    (rid, tokens, lps, stamp, reason), = gen.policy.outputs
-    assert (rid, tokens, lps, reason) == ("g-0", [11, 12], [-0.5, -0.5], None) and stamp == 5
+    (rid, tokens, lps, stamp, reason, index), = gen.policy.outputs
+    assert (rid, tokens, lps, reason, index) == ("g-0", [11, 12], [-0.5, -0.5], None, 0) and stamp == 5
     assert gen.counters["tokens"] == 2 and st.eval_pending == 1 and gen.evals == []
-    gen.engine.outputs = [output(f"{EVAL_PREFIX}0", [8], True)]
+    gen.engine.outputs = [output(f"{EVAL_PREFIX}0", [8], True), output("g-1", [4], True, index=3)]
     gen._step_phase(st, runner, rewards=None)
+    assert gen.policy.outputs[-1] == ("g-1", [4], [-0.5], 5, "stop", 3), "sample 3 of a request of n samples"
     assert gen.evals == [(4, [f"{EVAL_PREFIX}0", f"{EVAL_PREFIX}1"])] and st.eval_out == {}
     gen._step_phase(st, runner, rewards=None)  # nothing for the engine: wait, and let environments run
     assert gen.timeline.states[-1] == "wait_admission" and runner.pumps >= 1
