@@ -79,9 +79,10 @@ def redis_resumed(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
         try:
             wait_until(lambda: newest_checkpoint_step(run_dir) >= EVERY, "a checkpoint", first, log)
             # kill right after a checkpoint, while the buffer holds groups made by the checkpoint's weights
-            # (the whole job is frozen while that is checked: the learner runs ahead of the driver's metrics)
+            # (the whole job is frozen while that is checked: the learner runs ahead of the driver's metrics;
+            # the buffer is stopped first so that the learner waits while the driver commits what it saved)
             freeze_when(first, lambda: buffer_at_last_checkpoint(run_dir, server.url),
-                        "a moment right after a checkpoint", log, every_s=0.1, whole_job=True)
+                        "a moment right after a checkpoint", log, every_s=0.1, whole_job=True, starve_s=8.0)
         finally:
             kill_session(first.pid)
         first.wait(timeout=30)
