@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -19,6 +21,22 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     torch.set_num_threads(1)
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0)
+
+
+@pytest.fixture(scope="session")
+def load_bench() -> Callable[[str], ModuleType]:
+    """Import a script of bench/ by file name (bench/ is not a package), for tests of its arithmetic."""
+    import importlib.util
+
+    def load(script: str) -> ModuleType:
+        path = Path(__file__).resolve().parents[1] / "bench" / script
+        spec = importlib.util.spec_from_file_location(f"bench_{path.stem}", path)
+        assert spec is not None and spec.loader is not None, f"no bench script {path}"
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    return load
 
 
 @pytest.fixture(scope="session")

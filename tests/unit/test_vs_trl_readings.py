@@ -2,21 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 @pytest.fixture(scope="module")
-def bench() -> Any:
-    spec = importlib.util.spec_from_file_location("bench_vs_trl", ROOT / "bench" / "vs_trl.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def bench(load_bench: Any) -> Any:
+    return load_bench("vs_trl.py")
 
 
 def curve(*points: tuple[float, float]) -> list[dict[str, float]]:
