@@ -57,9 +57,10 @@ def learner_killed(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactor
         assert learner_pid in session_pids(first.pid), "the learner runs in the job's session"
         # the learner runs on while the pids are asked for: kill it at a moment it has trained past every
         # checkpoint, the staged ones included (once thawed, the driver may still commit one the learner saved
-        # before it died), the whole job frozen meanwhile (the learner runs ahead of the driver's metrics)
+        # before it died), the whole job frozen meanwhile (the learner runs ahead of the driver's metrics, by
+        # 6-20 steps on a fast learner: the buffer is stopped first, so that the driver's metrics catch up)
         frozen = freeze_when(first, lambda: past_every_checkpoint(run_dir), "a step past every checkpoint", log,
-                             whole_job=True)
+                             whole_job=True, starve_s=8.0)
         os.kill(learner_pid, signal.SIGKILL)
         thaw(frozen)
         t_kill = time.monotonic()
