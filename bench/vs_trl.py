@@ -209,8 +209,12 @@ def run_ours(cfg_args: list[str], group_size: int, model_dir: str, budget_s: flo
 
 
 # -- comparison ----------------------------------------------------------------------------------------
-def time_to(curve: list[dict[str, float]], accuracy: float) -> float | None:
-    return next((p["time_s"] for p in curve if p["accuracy"] >= accuracy), None)
+def time_to(curve: list[dict[str, float]], accuracy: float, window: int = 1) -> float | None:
+    """The first time the mean of ``window`` consecutive evaluations (ending then) reaches ``accuracy``; with
+    ``window=1``, the first evaluation at or above it."""
+    acc = [p["accuracy"] for p in curve]
+    return next((curve[i]["time_s"] for i in range(window - 1, len(curve))
+                 if sum(acc[i - window + 1:i + 1]) / window >= accuracy), None)
 
 
 def held_accuracy(curve: list[dict[str, float]], since_s: float) -> float:
@@ -218,13 +222,6 @@ def held_accuracy(curve: list[dict[str, float]], since_s: float) -> float:
     A single end evaluation can dip or peak and make the target far easier or harder than what the run reached."""
     late = [p["accuracy"] for p in curve if p["time_s"] >= since_s] or [curve[-1]["accuracy"]]
     return sum(late) / len(late)
-
-
-def time_to_hold(curve: list[dict[str, float]], accuracy: float, window: int = WINDOW) -> float | None:
-    """The first time the mean of ``window`` consecutive evaluations (ending then) reaches ``accuracy``."""
-    acc = [p["accuracy"] for p in curve]
-    return next((curve[i]["time_s"] for i in range(window - 1, len(curve))
-                 if sum(acc[i - window + 1:i + 1]) / window >= accuracy), None)
 
 
 def plot(task: str, trl: dict[str, Any], ours: dict[str, Any], path: Path, generators: int) -> None:
@@ -276,10 +273,10 @@ def compare(task: str, budget_s: float, eval_every_s: float, out_dir: Path, mode
             "ours_steps": ours["steps"],
             "time_to_threshold_s": {str(t): {"trl": time_to(trl["curve"], t), "ours": time_to(ours["curve"], t)}
                                     for t in THRESHOLDS},
-            "trl_accuracy_held": held, "time_to_trl_held_accuracy_s": time_to_hold(ours["curve"], held),
-            "trl_time_to_its_held_accuracy_s": time_to_hold(trl["curve"], held),
-            "time_to_hold_threshold_s": {str(t): {"trl": time_to_hold(trl["curve"], t),
-                                                  "ours": time_to_hold(ours["curve"], t)} for t in THRESHOLDS},
+            "trl_accuracy_held": held, "time_to_trl_held_accuracy_s": time_to(ours["curve"], held, WINDOW),
+            "trl_time_to_its_held_accuracy_s": time_to(trl["curve"], held, WINDOW),
+            "time_to_hold_threshold_s": {str(t): {"trl": time_to(trl["curve"], t, WINDOW),
+                                                  "ours": time_to(ours["curve"], t, WINDOW)} for t in THRESHOLDS},
             "trl_curve": trl["curve"], "ours_curve": ours["curve"]}
 
 

@@ -28,11 +28,13 @@ def start_job(work: Path, log_name: str, args: list[str]) -> subprocess.Popen:
                             stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def session_pids(sid: int) -> list[int]:
-    """Live (not zombie) processes of session ``sid``: the launcher's Ray head and actors stay in it."""
-    out = subprocess.run(["ps", "-eo", "pid=,sid=,stat="], capture_output=True, text=True).stdout
-    rows = (line.split() for line in out.splitlines())
-    return [int(p) for p, s, st in rows if int(s) == sid and not st.startswith("Z")]
+def session_pids(sid: int, actor: str = "") -> list[int]:
+    """Live (not zombie) processes of session ``sid``: the launcher's Ray head and actors stay in it. With
+    ``actor``, only those running that Ray actor class (their process title is ``ray::<actor>``)."""
+    out = subprocess.run(["ps", "-eo", "pid=,sid=,stat=,args="], capture_output=True, text=True).stdout
+    rows = (line.split(None, 3) for line in out.splitlines())
+    return [int(r[0]) for r in rows if int(r[1]) == sid and not r[2].startswith("Z")
+            and (not actor or r[3:] and r[3].split()[0] == f"ray::{actor}")]
 
 
 def kill_session(sid: int) -> None:
@@ -111,13 +113,6 @@ def _signal_all(pids: list[int], sig: int) -> None:
             pass
 
 
-def actor_pids(sid: int, actor: str) -> list[int]:
-    """Live processes of session ``sid`` running Ray actor class ``actor`` (their title is ``ray::<actor>``)."""
-    out = subprocess.run(["ps", "-eo", "pid=,sid=,args="], capture_output=True, text=True).stdout
-    rows = (line.split(None, 2) for line in out.splitlines())
-    return [int(r[0]) for r in rows if len(r) == 3 and int(r[1]) == sid and r[2].split()[0] == f"ray::{actor}"]
-
-
 def freeze_when(job: subprocess.Popen, cond: Any, what: str, log: Path, every_s: float = 0.3,
                 timeout_s: float = 300.0, whole_job: bool = False, starve_s: float = 0.0) -> list[int]:
     """Return with the job's driver stopped (SIGSTOP) at a moment ``cond`` holds; the caller kills it, or resumes
@@ -128,26 +123,27 @@ def freeze_when(job: subprocess.Popen, cond: Any, what: str, log: Path, every_s:
     ending exactly on a checkpoint step races the kill (a CI failure of the resume test).
     ``whole_job`` stops every process of the job (learners, generators, buffer too) for a ``cond`` that reads
     their state as well, e.g. the buffer's version in Redis.
-    ``starve_s`` (with ``whole_job``) first stops the job's buffer and waits up to that long for ``cond``: the
-    learners and generators then wait on their next buffer request, and the driver, once its stats request to
-    the buffer times out (5 s), commits the checkpoints the learners saved. A fast learner otherwise runs several
-    steps past a checkpoint before the driver's progress loop (a 0.5 s poll) commits it, so a moment such as
-    "the buffer's version is the newest committed checkpoint's" never comes. Requests wait 30 s by default.
+    ``starve_s`` first stops the job's buffer (returned with the other stopped pids) and waits up to that long
+    for ``cond``: the learners and generators then wait on their next buffer request, and the driver, once its
+    stats request to the buffer times out (5 s), commits the checkpoints the learners saved. A fast learner
+    otherwise runs several steps past a checkpoint before the driver's progress loop (a 0.5 s poll) commits it,
+    so a moment such as "the buffer's version is the newest committed checkpoint's" never comes. Requests wait
+    30 s by default.
     """
     deadline = time.monotonic() + timeout_s
     while True:
         time.sleep(every_s)
         assert job.poll() is None, f"the job ended while waiting for {what}:\n{log.read_text()[-3000:]}"
-        if starve_s:
-            _signal_all(actor_pids(job.pid, "BufferActor"), signal.SIGSTOP)
-            settled = time.monotonic() + starve_s
-            while time.monotonic() < settled and not cond():
-                time.sleep(0.2)
-        pids = session_pids(job.pid) if whole_job else [job.pid]
+        buffer = session_pids(job.pid, "BufferActor") if starve_s else []
+        _signal_all(buffer, signal.SIGSTOP)
+        settled = time.monotonic() + starve_s
+        while time.monotonic() < settled and not cond():
+            time.sleep(0.2)
+        pids = sorted(set(session_pids(job.pid) if whole_job else [job.pid]) | set(buffer))
         _signal_all(pids, signal.SIGSTOP)
         if cond():
             return pids
-        _signal_all(pids + (actor_pids(job.pid, "BufferActor") if starve_s else []), signal.SIGCONT)
+        _signal_all(pids, signal.SIGCONT)
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
 
 

@@ -27,7 +27,7 @@ def test_time_to_hold_needs_consecutive_evaluations_not_one_lucky_one(bench: Any
     ours = curve((0, 0.4), (5, 0.97), (10, 0.85), (15, 0.9), (20, 0.96), (25, 0.97), (30, 0.98))
     assert bench.time_to(ours, 0.95) == 5  # one evaluation above is enough for the first reading
     # means of three in a row: 0.74, 0.907, 0.903, 0.943, 0.970
-    assert bench.time_to_hold(ours, 0.95) == 30
-    assert bench.time_to_hold(ours, 0.9) == 15
-    assert bench.time_to_hold(ours, 0.99) is None
-    assert bench.time_to_hold(ours[:2], 0.1) is None  # fewer evaluations than the window
+    assert bench.time_to(ours, 0.95, 3) == 30
+    assert bench.time_to(ours, 0.9, 3) == 15
+    assert bench.time_to(ours, 0.99, 3) is None
+    assert bench.time_to(ours[:2], 0.1, 3) is None  # fewer evaluations than the window
