@@ -20,6 +20,8 @@ NonNegative = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 """Seconds, rates, weights: 0 or more, never NaN."""
 AboveZero = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 """Seconds, rates and scales for which 0 (or less) means nothing sensible."""
+Probability = Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)]
+"""A chance above 0, at most 1."""
 Port = Annotated[int, Field(ge=0, le=65535)]
 """A TCP port; 0 picks a free one."""
 

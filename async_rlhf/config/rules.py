@@ -28,6 +28,14 @@ def drops_zero_advantage(train: TrainConfig) -> bool:
             and train.objective.kl_coef == 0)
 
 
+def skips_uninformative(cfg: Config) -> bool:
+    """Whether generators pass over prompts whose last groups were uniform (``prompts.skip_uninformative``):
+    auto when the buffer drops such groups anyway and the source repeats prompts (a Redis stream does not)."""
+    if cfg.prompts.skip_uninformative != "auto":
+        return cfg.prompts.skip_uninformative == "on"
+    return drops_zero_advantage(cfg.train) and cfg.prompts.source in ("task", "file", "python")
+
+
 def validate(cfg: Config) -> Config:
     """Check ranges and choices; raises ConfigError naming the key and what it accepts."""
     cfg.prompts.chat_template = {"true": "on", "false": "off"}.get(cfg.prompts.chat_template.lower(),

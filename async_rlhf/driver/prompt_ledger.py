@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from async_rlhf.generator.stream import key_of_group
+from async_rlhf.generator.stream import keys_of_group
 
 
 def split_key(key: str) -> tuple[int, int]:
@@ -53,8 +53,9 @@ class PromptLedger:
         self.positions[gen] = position
 
     def observe_trained(self, group_ids: Iterable[str]) -> None:
-        for gid in group_ids:
-            key = key_of_group(gid)
+        """Groups trained or dropped as uninformative: their prompts, and those passed over before them, are
+        used up."""
+        for key in (k for gid in group_ids for k in keys_of_group(gid)):
             if key in self.trained:
                 self.duplicates.append(key)
                 continue
@@ -69,7 +70,7 @@ class PromptLedger:
         """Stream plan of generator ``gen`` (re)starting now; ``in_buffer``: group ids the buffer holds, has
         delivered or has trained (they need no second issue)."""
         position = self.positions.get(gen, 0)
-        held = [split_key(key_of_group(g)) for g in in_buffer]
+        held = [split_key(k) for g in in_buffer for k in keys_of_group(g)]
         mine = {seq for g, seq in held if g == gen}
         reissue = sorted(self.outstanding.get(gen, set()) - mine)
         skip = sorted({s for s in mine if s > position} | self.ahead.get(gen, set()))

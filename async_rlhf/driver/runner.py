@@ -152,6 +152,7 @@ def train(cfg: Config, cluster: Cluster, run_dir: Path, resume: Path | None = No
                                 for k in ("pause_s_last", "pause_s_mean")})
                     rec["sync/gen_coalesced"] = sum(float(s.get("sync/coalesced", 0.0)) for s in gen_stats)
                     rec["sync/gen_updates"] = sum(float(s.get("updates", 0.0)) for s in gen_stats)
+                    rec["rollout/prompts_skipped"] = sum(float(s.get("prompts_skipped", 0.0)) for s in gen_stats)
                 progress.before_write(rec)
                 writer.write(rec, rec["step"])
                 progress.after_write(rec)
@@ -199,6 +200,8 @@ def train(cfg: Config, cluster: Cluster, run_dir: Path, resume: Path | None = No
         "learner_samples_per_s": sum(r["rollout/samples"] for r in records) / wall,
         "weight_push_s": sum(push_times) / len(push_times) if push_times else 0.0,
         "generator_stats": gen_final,
+        "prompts_skipped": sum(int(s.get("prompts_skipped", 0)) for s in gen_final),
+        "groups_generated": sum(int(s.get("groups", 0)) for s in gen_final),
         "timelines": timelines,
         "fleet": {"events": fleet.events, **fleet.status()},
         "prompt_ledger": progress.ledger,
@@ -315,6 +318,9 @@ def run(cfg: Config, address: str | None = None, cache_root: Path = Path("runs/c
         "learner_ranks": cfg.learners,
         "weight_push_s": figures["weight_push_s"],
         **busy,
+        # prompts passed over before generation (prompts.skip_uninformative), against groups generated
+        "prompts_skipped": figures["prompts_skipped"],
+        "groups_generated": figures["groups_generated"],
         "steps": int(records[-1]["step"]) if records else figures["first_step"],
         "steps_configured": cfg.train.steps,
         "stop_reason": figures["stop_reason"],

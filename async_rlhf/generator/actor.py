@@ -35,11 +35,12 @@ from typing import Any
 
 from async_rlhf.buffer.build import make_client
 from async_rlhf.buffer.client import stop_retries
-from async_rlhf.config import Config
+from async_rlhf.config import Config, skips_uninformative
 from async_rlhf.env.registry import make_env
 from async_rlhf.evaluation import score_eval_set
 from async_rlhf.generator.groups import GroupRunner
 from async_rlhf.generator.loop_phases import EVAL_PREFIX, LoopPhases, LoopState
+from async_rlhf.generator.prompt_filter import UninformativePromptFilter
 from async_rlhf.generator.rollout import EnginePolicy
 from async_rlhf.generator.stream import PromptStream
 from async_rlhf.rewards.base import Completion
@@ -93,8 +94,10 @@ class GeneratorActor(LoopPhases):
         self._run_tag = uuid.uuid4().hex[:6]
         self.counters: dict[str, float] = {
             "tokens": 0, "groups": 0, "samples": 0, "reward_sum": 0.0, "reward_errors": 0, "updates": 0,
-            "update_failures": 0, "reward_timeouts": 0, "rewards_late": 0, "env_errors": 0,
+            "update_failures": 0, "reward_timeouts": 0, "rewards_late": 0, "env_errors": 0, "prompts_skipped": 0,
         }
+        self.prompt_filter: UninformativePromptFilter | None = None
+        """Passes over prompts whose last groups taught nothing (prompts.skip_uninformative); made by run()."""
         self.timeline = Timeline(f"generator {gen_id}")
         self._reward_streak = FailureStreak(cfg.rewards.max_consecutive_failures, cfg.rewards.sources)
         self.produced: list[str] = []
@@ -191,12 +194,15 @@ class GeneratorActor(LoopPhases):
         seed = cfg.train.seed * 7919 + self.gen_id
         source = make_prompts(cfg, self.env, seed, consumer=f"generator-{self.gen_id}", lane=self._lane())
         rewards = make_rewards(cfg, self.env)
+        filt = self.prompt_filter = (UninformativePromptFilter(cfg.prompts.skip_min_retry, seed)
+                                     if skips_uninformative(cfg) else None)
         runner = GroupRunner(self.env, rewards, self.policy, client, group_size=cfg.train.group_size,
                              reward_timeout_s=cfg.rewards.timeout_s, patience_s=patience, generator=self.gen_id,
                              current_version=lambda: self.version, record=self._record,
                              on_reward_phase=lambda: self.timeline.enter("reward_and_put"),
                              reward_client=lambda: make_client(cfg, self.buffer_address,
-                                                               consumer=f"generator-{self.gen_id}"))
+                                                               consumer=f"generator-{self.gen_id}"),
+                             on_returns=filt.observe if filt is not None else lambda p, r: None)
         self._groups = runner.groups
         eval_params = SamplingParams(max_tokens=gen_cfg.max_new_tokens, temperature=0.0, detokenize=False,
                                      stop_token_ids=self.stop_ids, output_kind=RequestOutputKind.FINAL_ONLY)

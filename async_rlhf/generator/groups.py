@@ -48,9 +48,11 @@ class GroupRunner:
                  group_size: int, reward_timeout_s: float, patience_s: float, generator: int,
                  current_version: Callable[[], int], record: Record,
                  on_reward_phase: Callable[[], None] = lambda: None,
-                 reward_client: Callable[[], BufferClient] | None = None) -> None:
+                 reward_client: Callable[[], BufferClient] | None = None,
+                 on_returns: Callable[[Prompt, list[float]], None] = lambda prompt, returns: None) -> None:
         """``reward_client``: makes the client late rewards are sent with (called once on each reward thread);
-        None shares ``client``, which must then be safe to call from other threads."""
+        None shares ``client``, which must then be safe to call from other threads. ``on_returns``: told each
+        group's returns once they are known (on the loop thread; the prompt filter learns from them)."""
         self.env, self.rewards, self.policy, self.client = env, rewards, policy, client
         self._reward_client_factory = reward_client
         self._local = threading.local()
@@ -63,6 +65,7 @@ class GroupRunner:
         self.current_version = current_version
         self.record = record
         self.on_reward_phase = on_reward_phase
+        self.on_returns = on_returns
         self.loop: asyncio.AbstractEventLoop = asyncio.SelectorEventLoop()  # not Ray's uvloop policy
         self.groups: dict[str, asyncio.Task[None]] = {}
         """Admitted and not yet put (trajectories being generated)."""
@@ -151,7 +154,9 @@ class GroupRunner:
                 log.exception("generator %d: reward failed for group %s", self.generator, gid)
                 self._fail(gid, f"reward_error: {exc!r}", "reward_errors")
                 return
-            self._rewarded.append(to_group(gid, ids, trajs, final, self.generator, meta, start_version, t_start))
+            group = to_group(gid, ids, trajs, final, self.generator, meta, start_version, t_start)
+            self.on_returns(prompt, [s.reward for s in group.samples])
+            self._rewarded.append(group)
             return  # put at the end of this pump
         group = to_group(gid, ids, trajs, [0.0] * n, self.generator, meta, start_version, t_start)
         with_retry(lambda: self.client.put(group, rewards_pending=True), f"put {gid}", self.patience_s)
@@ -186,6 +191,7 @@ class GroupRunner:
             self.record("reward_errors", gid, None, f"reward_error: {exc!r}")
             return
         returns = [t.env_return + f for t, f in zip(trajs, final)]
+        self.on_returns(prompt, returns)
         try:
             answer = await self.loop.run_in_executor(self._reward_pool, self._send_reward, gid, returns)
         except Exception as exc:  # noqa: BLE001 - the buffer stayed unreachable: counted, the buffer drops it

@@ -11,10 +11,14 @@ from typing import Any
 
 from async_rlhf.buffer.client import with_retry
 from async_rlhf.generator.groups import GroupRunner
+from async_rlhf.generator.prompt_filter import UninformativePromptFilter
 from async_rlhf.generator.stream import PromptStream, group_id
 from async_rlhf.rewards.base import Completion
 
 EVAL_PREFIX = "eval:"
+MAX_SKIPS_PER_DRAW = 64
+"""Prompts passed over for one group at most (then the last one drawn is generated): bounds the loop's time when
+nearly every prompt is solved."""
 UPDATE_POLL_S = 0.005
 """How often the loop asks the worker whether a new version has arrived (a collective_rpc round trip)."""
 
@@ -47,6 +51,7 @@ class LoopPhases:
     _last_swap: float
     """When the engine last loaded a version (``time.monotonic``)."""
     chat: Any
+    prompt_filter: UninformativePromptFilter | None
 
     def _swap_due(self, staged: int, now: float) -> bool:
         """Whether to load the staged version now: every ``generator.min_swap_interval_s`` at most, unless
@@ -107,12 +112,29 @@ class LoopPhases:
                 self._load_version()
                 st.staged = None
         for _ in range(granted):
-            seq, prompt = next(problems)
+            seq, prompt, passed_over = self._draw(problems, source)
             self._position = max(self._position, problems.position)
-            prompt, ids = self.chat.prepare(prompt)  # chat messages through the template
-            runner.start(group_id(self.gen_id, self._run_tag, seq), prompt, ids)
+            runner.start(group_id(self.gen_id, self._run_tag, seq, passed_over), prompt, self.chat.encode(prompt))
         if granted:
             runner.pump()  # the new groups' first turns reach the engine
+
+    def _draw(self, problems: PromptStream, source: Any) -> tuple[int, Any, int]:
+        """The next prompt to generate, rendered (chat messages through the template), its position and how many
+        prompts right before it were passed over. With a prompt filter, a drawn prompt it skips is replaced by
+        the next one while that one is ready now and next in the stream (at most ``MAX_SKIPS_PER_DRAW`` times):
+        the group's id then names the skipped positions, which the driver's ledger counts as used up. A
+        re-issued prompt (a resume's) is always generated."""
+        filt, passed_over = (self.prompt_filter if problems.reissue_left == 0 else None), 0
+        seq, prompt = next(problems)
+        prompt = self.chat.render(prompt)
+        while (filt is not None and passed_over < MAX_SKIPS_PER_DRAW and problems.next_is_contiguous
+               and source.prefetch(1) and not filt.admit(prompt)):
+            seq, prompt = next(problems)
+            prompt = self.chat.render(prompt)
+            passed_over += 1
+        if self.prompt_filter is not None:
+            self.counters["prompts_skipped"] = self.prompt_filter.skipped
+        return seq, prompt, passed_over
 
     def _step_phase(self, st: LoopState, runner: GroupRunner, rewards: Any) -> None:
         """One engine step: new tokens stamped with the version that computed them, finished held-out requests

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from async_rlhf.driver.checkpoints import STAGING, checkpoints_dir, list_checkpoints, read_manifest
-from async_rlhf.generator.stream import key_of_group
+from async_rlhf.generator.stream import key_of_group, keys_of_group
 
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCH = [sys.executable, str(ROOT / "launch" / "cluster.py")]
@@ -197,9 +197,11 @@ def check_prompts_once(run_dir: Path, manifest: dict[str, Any], steps: int) -> l
     keys = [key_of_group(g) for x in lines for g in x["group_ids"]]
     assert keys == [k for x in lines for k in x["prompt_keys"]], "the ledger's prompt keys name its groups' prompts"
     assert len(keys) == len(set(keys)), "a prompt was trained twice"
-    used = keys + [key_of_group(g) for x in lines for g in x.get("skipped_ids", [])]  # zero-advantage: used up
-    assert len(used) == len(set(used)), "a prompt was both trained and skipped, or skipped twice"
-    after = {key_of_group(g) for x in lines if x["step"] > s for g in x["group_ids"] + x.get("skipped_ids", [])}
+    # used up: trained, dropped as zero-advantage (skipped_ids), or passed over by the prompt filter before either
+    used = [k for x in lines for g in x["group_ids"] + x.get("skipped_ids", []) for k in keys_of_group(g)]
+    assert len(used) == len(set(used)), "a prompt was used up twice (trained, skipped or passed over)"
+    after = {k for x in lines if x["step"] > s for g in x["group_ids"] + x.get("skipped_ids", [])
+             for k in keys_of_group(g)}
     pending = {f"{gen}:{seq}" for gen, st in manifest["data"].items() for seq in st["pending"]}
     assert pending, "the first run had prompts in flight or in the buffer at its checkpoint"
     assert pending <= after, f"prompts drawn before the checkpoint were never trained: {sorted(pending - after)}"

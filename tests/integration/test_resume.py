@@ -16,6 +16,7 @@ import pytest
 from jobs import (
     check_metrics_continue,
     check_prompts_once,
+    data_ledger,
     freeze_when,
     job_args,
     kill_session,
@@ -38,7 +39,9 @@ def resumed(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> d
     work = tmp_path_factory.mktemp("resume")
     run_dir = work / "run"
     log = work / "first.log"
-    first = start_job(work, log.name, job_args(tiny_model_dir, run_dir, EVERY))
+    # one-digit sums: 80 training prompts, so they come back within the run and the prompt filter passes over
+    # the uniform ones (the random policy gets every one wrong): passed-over prompts cross the resume too
+    first = start_job(work, log.name, job_args(tiny_model_dir, run_dir, EVERY, "task.digits=1"))
     try:
         wait_until(lambda: newest_checkpoint_step(run_dir) >= 2 * EVERY, "a second checkpoint", first, log)
         # kill it at a moment when it has trained past its last checkpoint (those steps must be cut on resume)
@@ -66,3 +69,11 @@ def test_metrics_continue_the_original_run(resumed: dict[str, Any]) -> None:
 
 def test_no_prompt_lost_or_trained_twice_across_the_resume(resumed: dict[str, Any]) -> None:
     check_prompts_once(resumed["run_dir"], resumed["manifest"], resumed["steps"])
+
+
+def test_prompts_the_filter_passed_over_are_named_by_their_groups(resumed: dict[str, Any]) -> None:
+    lines = data_ledger(resumed["run_dir"])
+    passed = [g for x in lines for g in x["group_ids"] + x.get("skipped_ids", []) if "~" in g]
+    assert passed, "no group names prompts passed over before it (prompts.skip_uninformative is auto: on here)"
+    summary = json.loads((resumed["run_dir"] / "summary.json").read_text())  # the resumed run's own counts
+    assert summary["groups_generated"] > 0 and summary["prompts_skipped"] >= 0

@@ -3,6 +3,7 @@ real loop runs them in turn on a vLLM engine: tests/integration)."""
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from dataclasses import dataclass, field
@@ -12,7 +13,9 @@ from typing import Any
 from async_rlhf.config import load_config
 from async_rlhf.env.base import Prompt
 from async_rlhf.generator.engine_args import VersionClock
-from async_rlhf.generator.loop_phases import EVAL_PREFIX, LoopPhases, LoopState
+from async_rlhf.generator.loop_phases import EVAL_PREFIX, MAX_SKIPS_PER_DRAW, LoopPhases, LoopState
+from async_rlhf.generator.prompt_filter import UninformativePromptFilter
+from async_rlhf.generator.stream import PromptStream
 
 
 @dataclass
@@ -49,7 +52,8 @@ class Generator(LoopPhases):
         self.counters: dict[str, Any] = {"tokens": 0}
         self.policy = SimpleNamespace(outputs=[], on_output=lambda *a: self.policy.outputs.append(a),
                                       flush=lambda: None)
-        self.chat = SimpleNamespace(prepare=lambda p: (p, [7, len(p.text)]))
+        self.chat = SimpleNamespace(render=lambda p: Prompt(f"<{p.text}>"), encode=lambda p: [7, len(p.text)])
+        self.prompt_filter: UninformativePromptFilter | None = None
         self._heldout_ids = [[1, 2], [3]]
         self._awaiting_first, self._groups, self._draining = False, {}, threading.Event()
         self._position, self._run_tag, self._clock = 0, "t", VersionClock(0)
@@ -82,15 +86,10 @@ class Runner:
         self.pumps += 1
 
 
-class Problems:
-    reissue_left = 0
-
-    def __init__(self) -> None:
-        self.position = 0
-
-    def __next__(self) -> tuple[int, Prompt]:
-        self.position += 1
-        return self.position - 1, Prompt(f"p{self.position - 1}")
+def Problems(cycle: int = 0, reissue: tuple[int, ...] = (), start: int = 0) -> PromptStream[Prompt]:  # noqa: N802
+    """The stream of prompts p0, p1, ... (``cycle``: p0 .. p<cycle-1> again and again) at positions 1, 2, ..."""
+    texts = (f"p{n % cycle if cycle else n}" for n in itertools.count())
+    return PromptStream((Prompt(t) for t in texts), start=start, reissue=reissue)
 
 
 class Client:
@@ -136,7 +135,7 @@ def test_eval_requests_start_on_generator_zero_once_per_due_version() -> None:
 def test_admission_starts_granted_groups_through_the_chat_template_and_backs_off_when_refused() -> None:
     gen, st, runner, client = Generator(), LoopState(), Runner(), Client(granted=2)
     gen._admit_phase(st, client, Problems(), SOURCE, runner, patience=1.0)
-    assert client.asked == [3] and [(t, ids) for _, t, ids in runner.started] == [("p0", [7, 2]), ("p1", [7, 2])]
+    assert client.asked == [3] and [(t, ids) for _, t, ids in runner.started] == [("<p0>", [7, 4]), ("<p1>", [7, 4])]
     assert gen._position == 2 and runner.pumps == 1 and st.last_refused > 0  # fewer than asked: wait a moment
     gen._admit_phase(st, client, Problems(), SOURCE, runner, patience=1.0)
     assert client.asked == [3]  # not asked again within 5 ms
@@ -173,3 +172,36 @@ def test_a_step_stamps_tokens_with_the_serving_version_and_collects_held_out_ans
     assert gen.evals == [(4, [f"{EVAL_PREFIX}0", f"{EVAL_PREFIX}1"])] and st.eval_out == {}
     gen._step_phase(st, runner, rewards=None)  # nothing for the engine: wait, and let environments run
     assert gen.timeline.states[-1] == "wait_admission" and runner.pumps >= 1
+
+
+def solved_filter(*solved: str, min_retry: float = 0.01) -> UninformativePromptFilter:
+    """A filter that saw ``solved`` (rendered prompts) uniform in 10 groups in a row each."""
+    filt = UninformativePromptFilter(min_retry, seed=0)
+    for text in solved:
+        for _ in range(10):
+            filt.observe(Prompt(text), [1.0, 1.0])
+    return filt
+
+
+def test_admission_passes_over_prompts_the_filter_skips_and_counts_them() -> None:
+    gen, st, runner = Generator(), LoopState(), Runner()
+    gen.prompt_filter = solved_filter("<p0>", "<p2>", min_retry=0.0001)
+    gen._admit_phase(st, Client(granted=2), Problems(cycle=4), SOURCE, runner, patience=1.0)
+    assert [t for _, t, _ in runner.started] == ["<p1>", "<p3>"]
+    assert [gid for gid, _, _ in runner.started] == ["g0-t-2~1", "g0-t-4~1"], "its position, and one passed over"
+    assert gen.counters["prompts_skipped"] == 2 and gen._position == 4
+
+
+def test_admission_never_filters_a_reissued_prompt_nor_skips_with_none_ready_and_bounds_its_draws() -> None:
+    gen, runner = Generator(), Runner()
+    gen.prompt_filter = solved_filter("<p0>", min_retry=0.0001)
+    gen._admit_phase(LoopState(), Client(granted=1), Problems(cycle=1, reissue=(1,), start=1), SOURCE, runner, 1.0)
+    assert [t for _, t, _ in runner.started] == ["<p0>"] and gen.counters.get("prompts_skipped", 0) == 0
+    gen._admit_phase(LoopState(), Client(granted=1), Problems(cycle=1),
+                     SimpleNamespace(prefetch=lambda n: 0 if n == 1 else n), runner, 1.0)
+    assert len(runner.started) == 2 and gen.prompt_filter.skipped == 0, "nothing else ready: generated anyway"
+    problems = Problems(cycle=1)  # every prompt solved: the last of MAX_SKIPS_PER_DRAW + 1 draws is generated
+    gen._admit_phase(LoopState(), Client(granted=1), problems, SOURCE, runner, 1.0)
+    assert len(runner.started) == 3 and problems.position == MAX_SKIPS_PER_DRAW + 1
+    assert runner.started[-1][0] == f"g0-t-{MAX_SKIPS_PER_DRAW + 1}~{MAX_SKIPS_PER_DRAW}"
+    assert gen.prompt_filter.skipped == MAX_SKIPS_PER_DRAW
