@@ -29,11 +29,8 @@ def drops_zero_advantage(train: TrainConfig) -> bool:
 
 
 def skips_uninformative(cfg: Config) -> bool:
-    """Whether generators pass over prompts whose last groups were uniform (``prompts.skip_uninformative``):
-    auto when the buffer drops such groups anyway and the source repeats prompts (a Redis stream does not)."""
-    if cfg.prompts.skip_uninformative != "auto":
-        return cfg.prompts.skip_uninformative == "on"
-    return drops_zero_advantage(cfg.train) and cfg.prompts.source in ("task", "file", "python")
+    """Whether generators pass over prompts whose last groups were uniform (``prompts.skip_uninformative``)."""
+    return cfg.prompts.skip_uninformative == "on"
 
 
 def validate(cfg: Config) -> Config:

@@ -76,11 +76,12 @@ class PromptsConfig(Section):
     """Redis server of source=redis."""
     stream: str = "async_rlhf:prompts"
     """Redis stream external producers XADD prompts to (field prompts.text_field, other fields are data)."""
-    skip_uninformative: Literal["auto", "on", "off"] = "auto"
+    skip_uninformative: Literal["on", "off"] = "off"
     """Pre-rollout filtering: a generator passes over a drawn prompt whose last k groups had all-equal rewards
     (they teach nothing under dynamic sampling) with probability 1 - max(prompts.skip_min_retry, 2**-k), and
-    generates the next one instead (async_rlhf/generator/prompt_filter.py). on | off | auto (on when the buffer
-    drops zero-advantage groups and prompts repeat: sources task, file, python)."""
+    generates the next one instead (async_rlhf/generator/prompt_filter.py). For prompt sets that repeat and whose
+    solved prompts stay solved; off by default: on our tasks uniform groups are chance, not the prompt's (see
+    docs/benchmarks.md)."""
     skip_min_retry: Probability = 0.1
     """Smallest chance that a skipped-before prompt is generated when drawn, so a prompt the policy forgets or
     starts to learn is noticed (1: never skip)."""

@@ -81,10 +81,11 @@ class LoopPhases:
         return False
 
     def _eval_phase(self, st: LoopState, eval_params: Any) -> None:
-        """Held-out greedy requests on generator 0 when its version reaches a multiple of ``eval_every``."""
+        """Held-out greedy requests on generator 0 when its version reaches or passes a multiple of ``eval_every``
+        (with ``min_swap_interval_s`` the engine may jump over it: versions that arrive meanwhile coalesce)."""
         every = self.cfg.generator.eval_every
-        if (self.gen_id == 0 and every and st.eval_pending == 0 and self.version % every == 0
-                and self.version != st.eval_version):
+        if (self.gen_id == 0 and every and st.eval_pending == 0
+                and (st.eval_version < 0 or self.version // every > st.eval_version // every)):
             st.eval_version = self.version
             for i, ids in enumerate(self._heldout_ids):
                 self.engine.add_request(f"{EVAL_PREFIX}{i}", {"prompt_token_ids": ids}, eval_params)

@@ -1,10 +1,9 @@
 """Skip prompts whose recent groups taught nothing, before generating them (pre-rollout filtering).
 
 With dynamic sampling the buffer drops a prompt group whose rewards are all equal (``zero_advantage``), but only
-after a generator spent a whole group of samples on it. Late in a run most groups are such (73% on the addition
-task after 10 minutes), and a prompt whose last group was uniform is usually uniform again the next time it is
-drawn. This filter keeps, per prompt, how many of its groups in a row were uniform (``k``) and lets a drawn
-prompt through with probability ``max(min_retry, 2**-k)``::
+after a generator spent a whole group of samples on it. On a prompt set where a solved prompt stays solved, its
+next group is uniform again, and generating it is wasted. This filter keeps, per prompt, how many of its groups
+in a row were uniform (``k``) and lets a drawn prompt through with probability ``max(min_retry, 2**-k)``::
 
     draw prompt p ──> k = uniform_streak[p] ──> random() < max(min_retry, 2**-k) ? ──yes──> generate a group
                                                         │ no                                    │ returns
@@ -17,6 +16,9 @@ is noticed and generated again at full rate.
 
 Each generator keeps its own memory (what it generated itself): bounded, least recently updated first out.
 After GRESO (Zheng et al., 2025, "Act Only When It Pays"), which skips by the same kind of reward history.
+Off by default (``prompts.skip_uninformative``): on our addition and longtail tasks a uniform group is chance
+(samples right 97% of the time are all right in most groups of 8, whatever the prompt), and the share of
+uniform groups stayed at 79-84% with the filter on (docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -41,7 +41,8 @@ def resumed(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> d
     log = work / "first.log"
     # one-digit sums: 80 training prompts, so they come back within the run and the prompt filter passes over
     # the uniform ones (the random policy gets every one wrong): passed-over prompts cross the resume too
-    first = start_job(work, log.name, job_args(tiny_model_dir, run_dir, EVERY, "task.digits=1"))
+    first = start_job(work, log.name, job_args(tiny_model_dir, run_dir, EVERY, "task.digits=1",
+                                               "prompts.skip_uninformative=on"))
     try:
         wait_until(lambda: newest_checkpoint_step(run_dir) >= 2 * EVERY, "a second checkpoint", first, log)
         # kill it at a moment when it has trained past its last checkpoint (those steps must be cut on resume)
@@ -74,6 +75,6 @@ def test_no_prompt_lost_or_trained_twice_across_the_resume(resumed: dict[str, An
 def test_prompts_the_filter_passed_over_are_named_by_their_groups(resumed: dict[str, Any]) -> None:
     lines = data_ledger(resumed["run_dir"])
     passed = [g for x in lines for g in x["group_ids"] + x.get("skipped_ids", []) if "~" in g]
-    assert passed, "no group names prompts passed over before it (prompts.skip_uninformative is auto: on here)"
+    assert passed, "no group names prompts passed over before it (prompts.skip_uninformative=on)"
     summary = json.loads((resumed["run_dir"] / "summary.json").read_text())  # the resumed run's own counts
     assert summary["groups_generated"] > 0 and summary["prompts_skipped"] >= 0

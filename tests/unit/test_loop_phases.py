@@ -126,6 +126,14 @@ def test_eval_requests_start_on_generator_zero_once_per_due_version() -> None:
     st.eval_pending = 0
     gen._eval_phase(st, "greedy")
     assert len(gen.engine.requests) == 2  # version 2 was evaluated already
+    gen.version = 3
+    gen._eval_phase(st, "greedy")
+    assert len(gen.engine.requests) == 2  # no multiple of 2 reached since
+    gen.version = 5  # coalesced swaps jumped over 4: evaluated at 5, once
+    gen._eval_phase(st, "greedy")
+    st.eval_pending = 0
+    gen._eval_phase(st, "greedy")
+    assert len(gen.engine.requests) == 4 and st.eval_version == 5
     other = Generator(gen_id=1)
     other.version = 2
     other._eval_phase(LoopState(), "greedy")

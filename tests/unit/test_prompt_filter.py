@@ -60,17 +60,9 @@ def test_bad_settings_are_refused(kwargs: dict) -> None:
         UninformativePromptFilter(seed=0, **kwargs)
 
 
-@pytest.mark.parametrize(("overrides", "on"), [
-    ([], True),  # grpo, no KL, the task's own prompts: the buffer drops uniform groups anyway
-    (["train.objective.kl_coef=0.05"], False),  # a KL term: uniform groups still carry gradient
-    (["prompts.source=redis"], False),  # a stream's prompts do not come back
-    (["train.drop_zero_advantage=off"], False),
-    (["prompts.skip_uninformative=on", "train.objective.kl_coef=0.05"], True),
-    (["prompts.skip_uninformative=off"], False),
-])
-def test_the_filter_is_on_by_default_exactly_when_uniform_groups_are_dropped_and_prompts_repeat(
-        overrides: list[str], on: bool) -> None:
-    assert skips_uninformative(load_config(None, ["train.objective.kl_coef=0", *overrides])) is on
+@pytest.mark.parametrize(("overrides", "on"), [([], False), (["prompts.skip_uninformative=on"], True)])
+def test_the_filter_is_off_unless_asked_for(overrides: list[str], on: bool) -> None:
+    assert skips_uninformative(load_config(None, overrides)) is on
 
 
 def test_the_floor_must_be_a_probability() -> None:
