@@ -31,3 +31,19 @@ def test_time_to_hold_needs_consecutive_evaluations_not_one_lucky_one(bench: Any
     assert bench.time_to(ours, 0.9, 3) == 15
     assert bench.time_to(ours, 0.99, 3) is None
     assert bench.time_to(ours[:2], 0.1, 3) is None  # fewer evaluations than the window
+
+
+def test_the_report_divides_by_trls_own_time_to_hold_when_trl_saturates_early(bench: Any, capsys: Any) -> None:
+    """TRL holding its accuracy within seconds makes "over TRL's budget" tiny; the target speaks of TRL's time."""
+    row = {"task": "addition", "trl_accuracy_end": 0.98, "trl_time_s": 600.0, "ours_accuracy_end": 0.99,
+           "ours_time_s": 600.0, "trl_first_at_its_end_accuracy_s": 5.0, "time_to_trl_accuracy_s": 17.0,
+           "time_to_threshold_s": {}, "trl_steps": 100, "ours_steps": 50, "trl_samples_per_s": 1.0,
+           "ours_samples_per_s": 1.0, "ours_generated_samples_per_s": 2.0, "zero_advantage_share": 0.5,
+           "learner_push_wait_fraction": 0.0, "learner_compute_fraction": 0.3, "trl_accuracy_held": 0.97,
+           "trl_time_to_its_held_accuracy_s": 16.0, "time_to_trl_held_accuracy_s": 20.0,
+           "time_to_hold_threshold_s": {}}
+    bench.report(row)
+    out = capsys.readouterr().out
+    assert "ours / TRL's budget: 0.03" in out and "ours / TRL's own time to hold it (16 s): 1.25" in out
+    bench.report({**row, "trl_time_to_its_held_accuracy_s": None})
+    assert "own time" not in capsys.readouterr().out  # TRL never held it (3 in a row): no such ratio
