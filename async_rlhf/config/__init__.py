@@ -56,7 +56,6 @@ from async_rlhf.config.rules import (  # noqa: F401
     drops_zero_advantage,
     parse_custom_resources,
     push_min_gbps,
-    skips_uninformative,
     validate,
 )
 from async_rlhf.config.sections import (  # noqa: F401

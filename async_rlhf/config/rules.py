@@ -28,11 +28,6 @@ def drops_zero_advantage(train: TrainConfig) -> bool:
             and train.objective.kl_coef == 0)
 
 
-def skips_uninformative(cfg: Config) -> bool:
-    """Whether generators pass over prompts whose last groups were uniform (``prompts.skip_uninformative``)."""
-    return cfg.prompts.skip_uninformative == "on"
-
-
 def validate(cfg: Config) -> Config:
     """Check ranges and choices; raises ConfigError naming the key and what it accepts."""
     cfg.prompts.chat_template = {"true": "on", "false": "off"}.get(cfg.prompts.chat_template.lower(),

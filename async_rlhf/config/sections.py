@@ -76,7 +76,7 @@ class PromptsConfig(Section):
     """Redis server of source=redis."""
     stream: str = "async_rlhf:prompts"
     """Redis stream external producers XADD prompts to (field prompts.text_field, other fields are data)."""
-    skip_uninformative: Literal["on", "off"] = "off"
+    skip_uninformative: bool = False
     """Pre-rollout filtering: a generator passes over a drawn prompt whose last k groups had all-equal rewards
     (they teach nothing under dynamic sampling) with probability 1 - max(prompts.skip_min_retry, 2**-k), and
     generates the next one instead (async_rlhf/generator/prompt_filter.py). For prompt sets that repeat and whose

@@ -35,7 +35,7 @@ from typing import Any
 
 from async_rlhf.buffer.build import make_client
 from async_rlhf.buffer.client import stop_retries
-from async_rlhf.config import Config, skips_uninformative
+from async_rlhf.config import Config
 from async_rlhf.env.registry import make_env
 from async_rlhf.evaluation import score_eval_set
 from async_rlhf.generator.groups import GroupRunner
@@ -94,7 +94,7 @@ class GeneratorActor(LoopPhases):
         self._run_tag = uuid.uuid4().hex[:6]
         self.counters: dict[str, float] = {
             "tokens": 0, "groups": 0, "samples": 0, "reward_sum": 0.0, "reward_errors": 0, "updates": 0,
-            "update_failures": 0, "reward_timeouts": 0, "rewards_late": 0, "env_errors": 0, "prompts_skipped": 0,
+            "update_failures": 0, "reward_timeouts": 0, "rewards_late": 0, "env_errors": 0,
         }
         self.prompt_filter: UninformativePromptFilter | None = None
         """Passes over prompts whose last groups taught nothing (prompts.skip_uninformative); made by run()."""
@@ -164,6 +164,7 @@ class GeneratorActor(LoopPhases):
             return {"gen_id": self.gen_id, "version": self.version, "in_flight": self._in_flight,
                     "position": self._position,
                     **self.counters, "evals": list(self.evals),
+                    "prompts_skipped": self.prompt_filter.skipped if self.prompt_filter is not None else 0,
                     **{f"time/{k}_s": v for k, v in self.timeline.totals().items()}}
 
     def timeline_dict(self) -> dict[str, Any]:
@@ -195,7 +196,7 @@ class GeneratorActor(LoopPhases):
         source = make_prompts(cfg, self.env, seed, consumer=f"generator-{self.gen_id}", lane=self._lane())
         rewards = make_rewards(cfg, self.env)
         filt = self.prompt_filter = (UninformativePromptFilter(cfg.prompts.skip_min_retry, seed)
-                                     if skips_uninformative(cfg) else None)
+                                     if cfg.prompts.skip_uninformative else None)
         runner = GroupRunner(self.env, rewards, self.policy, client, group_size=cfg.train.group_size,
                              reward_timeout_s=cfg.rewards.timeout_s, patience_s=patience, generator=self.gen_id,
                              current_version=lambda: self.version, record=self._record,

@@ -133,8 +133,6 @@ class LoopPhases:
             seq, prompt = next(problems)
             prompt = self.chat.render(prompt)
             passed_over += 1
-        if self.prompt_filter is not None:
-            self.counters["prompts_skipped"] = self.prompt_filter.skipped
         return seq, prompt, passed_over
 
     def _step_phase(self, st: LoopState, runner: GroupRunner, rewards: Any) -> None:

@@ -14,7 +14,8 @@ A prompt never seen, or whose last group was informative, is always generated; a
 still tried about ``min_retry`` of the times it comes up, so a prompt the policy forgets, or starts to learn,
 is noticed and generated again at full rate.
 
-Each generator keeps its own memory (what it generated itself): bounded, least recently updated first out.
+Each generator keeps its own memory (what it generated itself): bounded, least recently updated first out. A
+prompt is known by its rendered text, what the model sees (chat messages are rendered before the filter).
 After GRESO (Zheng et al., 2025, "Act Only When It Pays"), which skips by the same kind of reward history.
 Off by default (``prompts.skip_uninformative``): on our addition and longtail tasks a uniform group is chance
 (samples right 97% of the time are all right in most groups of 8, whatever the prompt), and the share of
@@ -33,13 +34,6 @@ DEFAULT_CAPACITY = 200_000
 """Prompts remembered per generator (a few dozen bytes each)."""
 
 
-def prompt_identity(prompt: Prompt) -> str:
-    """What makes two draws the same prompt: its text, or its chat messages before rendering."""
-    if prompt.messages:
-        return "\x1e".join(f"{m.get('role', '')}\x1f{m.get('content', '')}" for m in prompt.messages)
-    return prompt.text
-
-
 class UninformativePromptFilter:
     def __init__(self, min_retry: float, seed: int, capacity: int = DEFAULT_CAPACITY) -> None:
         if not 0.0 < min_retry <= 1.0:
@@ -55,7 +49,7 @@ class UninformativePromptFilter:
 
     def retry_probability(self, prompt: Prompt) -> float:
         """The chance that ``prompt`` is generated when drawn (1 unless its last groups were uniform)."""
-        k = self._streak.get(prompt_identity(prompt), 0)
+        k = self._streak.get(prompt.text, 0)
         return 1.0 if k == 0 else max(self.min_retry, 0.5**k)
 
     def admit(self, prompt: Prompt) -> bool:
@@ -68,7 +62,7 @@ class UninformativePromptFilter:
 
     def observe(self, prompt: Prompt, returns: Sequence[float]) -> None:
         """The returns of one group of ``prompt``: all equal lengthens its streak, any difference resets it."""
-        key = prompt_identity(prompt)
+        key = prompt.text
         uniform = len(returns) > 1 and len(set(returns)) == 1
         if not uniform:
             self._streak.pop(key, None)  # informative: always generated again (nothing to remember)

@@ -197,14 +197,14 @@ def test_admission_passes_over_prompts_the_filter_skips_and_counts_them() -> Non
     gen._admit_phase(st, Client(granted=2), Problems(cycle=4), SOURCE, runner, patience=1.0)
     assert [t for _, t, _ in runner.started] == ["<p1>", "<p3>"]
     assert [gid for gid, _, _ in runner.started] == ["g0-t-2~1", "g0-t-4~1"], "its position, and one passed over"
-    assert gen.counters["prompts_skipped"] == 2 and gen._position == 4
+    assert gen.prompt_filter.skipped == 2 and gen._position == 4
 
 
 def test_admission_never_filters_a_reissued_prompt_nor_skips_with_none_ready_and_bounds_its_draws() -> None:
     gen, runner = Generator(), Runner()
     gen.prompt_filter = solved_filter("<p0>", min_retry=0.0001)
     gen._admit_phase(LoopState(), Client(granted=1), Problems(cycle=1, reissue=(1,), start=1), SOURCE, runner, 1.0)
-    assert [t for _, t, _ in runner.started] == ["<p0>"] and gen.counters.get("prompts_skipped", 0) == 0
+    assert [t for _, t, _ in runner.started] == ["<p0>"] and gen.prompt_filter.skipped == 0
     gen._admit_phase(LoopState(), Client(granted=1), Problems(cycle=1),
                      SimpleNamespace(prefetch=lambda n: 0 if n == 1 else n), runner, 1.0)
     assert len(runner.started) == 2 and gen.prompt_filter.skipped == 0, "nothing else ready: generated anyway"

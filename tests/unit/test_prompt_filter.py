@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from async_rlhf.config import load_config, skips_uninformative
+from async_rlhf.config import load_config
 from async_rlhf.env.base import Prompt
-from async_rlhf.generator.prompt_filter import UninformativePromptFilter, prompt_identity
+from async_rlhf.generator.prompt_filter import UninformativePromptFilter
 
 
 def admitted_share(filt: UninformativePromptFilter, prompt: Prompt, draws: int = 4000) -> float:
@@ -48,10 +48,10 @@ def test_memory_is_bounded_and_forgets_the_least_recently_updated_first() -> Non
     assert filt.retry_probability(Prompt("a")) == 0.25 and filt.retry_probability(Prompt("c")) == 0.5
 
 
-def test_chat_prompts_are_told_apart_by_their_messages() -> None:
-    one = Prompt("", {}, [{"role": "user", "content": "hi"}])
-    two = Prompt("", {}, [{"role": "system", "content": "hi"}])
-    assert prompt_identity(one) != prompt_identity(two) and prompt_identity(Prompt("hi")) == "hi"
+def test_prompts_are_known_by_their_rendered_text_whatever_their_data() -> None:
+    filt = UninformativePromptFilter(min_retry=0.1, seed=0)
+    filt.observe(Prompt("<user>hi", {"messages": [{"role": "user", "content": "hi"}]}), [1.0, 1.0])
+    assert filt.retry_probability(Prompt("<user>hi")) == 0.5 and filt.retry_probability(Prompt("<system>hi")) == 1.0
 
 
 @pytest.mark.parametrize("kwargs", [{"min_retry": 0.0}, {"min_retry": 1.5}, {"min_retry": 0.1, "capacity": 0}])
@@ -62,7 +62,7 @@ def test_bad_settings_are_refused(kwargs: dict) -> None:
 
 @pytest.mark.parametrize(("overrides", "on"), [([], False), (["prompts.skip_uninformative=on"], True)])
 def test_the_filter_is_off_unless_asked_for(overrides: list[str], on: bool) -> None:
-    assert skips_uninformative(load_config(None, overrides)) is on
+    assert load_config(None, overrides).prompts.skip_uninformative is on
 
 
 def test_the_floor_must_be_a_probability() -> None:
