@@ -144,6 +144,9 @@ def freeze_when(job: subprocess.Popen, cond: Any, what: str, log: Path, every_s:
         if cond():
             return pids
         _signal_all(pids, signal.SIGCONT)
+        # a starved buffer must answer the driver again before the next try: the driver gives up on a buffer
+        # silent for buffer.redis_retry_s + request_timeout_s in all, and retries back to back add up to that
+        time.sleep(starve_s)
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
 
 
