@@ -35,6 +35,7 @@ Writes ``--out`` (JSON ``{"tasks": [{"task", "trl_accuracy_end", "trl_time_s", "
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import subprocess
 import sys
@@ -105,9 +106,12 @@ def run_trl(cfg: Any, model_dir: str, budget_s: float, eval_every_s: float, work
 
         def __init__(self) -> None:
             self.train_s, self.last, self.next_eval = 0.0, time.perf_counter(), 1.0
+            self.eval_cpu_s = 0.0  # CPU time of the evaluations, left out of TRL's training CPU time
 
         def _eval(self, step: int) -> None:
+            cpu0 = time.process_time()
             acc = greedy_accuracy(model, tokenizer, heldout, new_tokens)
+            self.eval_cpu_s += time.process_time() - cpu0
             curve.append({"time_s": self.train_s, "step": step, "accuracy": acc})
             print(f"  TRL  {self.train_s:6.0f}s step {step:5d} held-out {acc:.3f}", flush=True)
 
@@ -131,11 +135,13 @@ def run_trl(cfg: Any, model_dir: str, budget_s: float, eval_every_s: float, work
                           processing_class=tokenizer, callbacks=[clock])
     curve.append({"time_s": 0.0, "step": 0, "accuracy": greedy_accuracy(model, tokenizer, heldout, new_tokens)})
     clock.last = time.perf_counter()
+    cpu0 = time.process_time()
     trainer.train()
+    cpu_s = time.process_time() - cpu0 - clock.eval_cpu_s
     steps = curve[-1]["step"]
     samples = steps * cfg.train.batch_size * cfg.train.group_size
     return {"curve": curve, "time_s": clock.train_s, "steps": steps, "samples_per_s": samples / clock.train_s,
-            "accuracy_end": curve[-1]["accuracy"]}
+            "accuracy_end": curve[-1]["accuracy"], "cpu_s": cpu_s, "samples": samples}
 
 
 # -- async_rlhf ----------------------------------------------------------------------------------------
@@ -149,6 +155,24 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
         except json.JSONDecodeError:  # a line being written
             break
     return out
+
+
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) used so far by process ``pid`` and every live descendant: the driver, Ray's
+    own processes and every actor (Ray starts them under the driver when it starts the cluster itself)."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0.0
+    total = 0.0
+    for proc in procs:
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+            times = proc.cpu_times()
+            total += times.user + times.system
+    return total
 
 
 def default_generators() -> int:
@@ -181,8 +205,10 @@ def run_ours(cfg_args: list[str], group_size: int, model_dir: str, budget_s: flo
             steps = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "step" in r]
             first = steps[0]["time"] if steps else None
             time.sleep(0.5)
+        cpu0 = tree_cpu_s(proc.pid)  # start-up is not counted, as for the clock
         while time.time() - first < budget_s and proc.poll() is None:
             time.sleep(0.5)
+        cpu_s = tree_cpu_s(proc.pid) - cpu0
         send_control(run_dir, {"op": "stop"})
         proc.wait(timeout=600)
     finally:
@@ -200,7 +226,8 @@ def run_ours(cfg_args: list[str], group_size: int, model_dir: str, budget_s: flo
     curve.append({"time_s": span, "step": steps[-1]["step"], "accuracy": summary["accuracy_end"]})
     put = steps[-1].get("buffer/put", 0) * group_size  # groups put -> samples generated
     return {"curve": curve, "time_s": span, "steps": steps[-1]["step"], "accuracy_end": summary["accuracy_end"],
-            "samples_per_s": sum(r["rollout/samples"] for r in steps[1:]) / max(span, 1e-9),
+            "samples_per_s": sum(r["rollout/samples"] for r in steps[1:]) / max(span, 1e-9), "cpu_s": cpu_s,
+            "samples": sum(r["rollout/samples"] for r in steps[1:]), "generated_samples": put,
             "generated_samples_per_s": put / max(span, 1e-9),
             "learner_push_wait_fraction": summary.get("learner_push_wait_fraction"),
             "learner_compute_fraction": summary.get("learner_compute_fraction"),
@@ -277,7 +304,20 @@ def compare(task: str, budget_s: float, eval_every_s: float, out_dir: Path, mode
             "trl_time_to_its_held_accuracy_s": time_to(trl["curve"], held, WINDOW),
             "time_to_hold_threshold_s": {str(t): {"trl": time_to(trl["curve"], t, WINDOW),
                                                   "ours": time_to(ours["curve"], t, WINDOW)} for t in THRESHOLDS},
-            "trl_curve": trl["curve"], "ours_curve": ours["curve"]}
+            **cpu_readings(trl, ours), "trl_curve": trl["curve"], "ours_curve": ours["curve"]}
+
+
+def cpu_readings(trl: dict[str, Any], ours: dict[str, Any]) -> dict[str, float | None]:
+    """What each side spent of the machine: cores kept busy (CPU seconds over training seconds) and CPU
+    milliseconds per sample trained (ours also per sample generated: dynamic sampling generates more than it
+    trains). On a machine both sides fill, the side that spends less per sample that teaches is the faster one."""
+    def per_sample(run: dict[str, Any], key: str) -> float | None:
+        return 1000 * run["cpu_s"] / run[key] if run.get("cpu_s") is not None and run.get(key) else None
+
+    return {"trl_cores_busy": trl["cpu_s"] / trl["time_s"], "ours_cores_busy": ours["cpu_s"] / ours["time_s"],
+            "trl_cpu_ms_per_sample": per_sample(trl, "samples"),
+            "ours_cpu_ms_per_sample": per_sample(ours, "samples"),
+            "ours_cpu_ms_per_generated_sample": per_sample(ours, "generated_samples")}
 
 
 def fmt(x: float | None) -> str:
@@ -297,6 +337,12 @@ def report(row: dict[str, Any]) -> None:
     print(f"| samples trained per second | {row['trl_samples_per_s']:.0f} | {row['ours_samples_per_s']:.0f} "
           f"(generated {row['ours_generated_samples_per_s']:.0f}; {row['zero_advantage_share']:.0%} of groups "
           "dropped as zero_advantage) |")
+    if row.get("trl_cpu_ms_per_sample") is not None:
+        print(f"| cores kept busy (CPU s per training s) | {row['trl_cores_busy']:.2f} | "
+              f"{row['ours_cores_busy']:.2f} |")
+        gen = row["ours_cpu_ms_per_generated_sample"]
+        print(f"| CPU ms per sample trained | {row['trl_cpu_ms_per_sample']:.2f} | "
+              f"{row['ours_cpu_ms_per_sample']:.2f} ({'-' if gen is None else f'{gen:.2f}'} per sample generated) |")
     pw, cf = row["learner_push_wait_fraction"], row["learner_compute_fraction"]
     print(f"| learner push wait / compute fraction | - | {pw if pw is None else f'{pw:.3f}'} / "
           f"{cf if cf is None else f'{cf:.2f}'} |")

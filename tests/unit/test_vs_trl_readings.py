@@ -47,3 +47,38 @@ def test_the_report_divides_by_trls_own_time_to_hold_when_trl_saturates_early(be
     assert "ours / TRL's budget: 0.03" in out and "ours / TRL's own time to hold it (16 s): 1.25" in out
     bench.report({**row, "trl_time_to_its_held_accuracy_s": None})
     assert "own time" not in capsys.readouterr().out  # TRL never held it (3 in a row): no such ratio
+
+
+def test_tree_cpu_counts_the_descendants_of_the_process(bench: Any) -> None:
+    """The cluster's CPU time is its driver's and every process under it: a busy grandchild must show up."""
+    import subprocess
+    import sys
+    import time
+
+    busy = "import time\nt=time.process_time()\nwhile time.process_time()-t<0.6: pass\ntime.sleep(30)"
+    spawn = f"import subprocess, sys; subprocess.run([sys.executable, '-c', {busy!r}])"
+    parent = subprocess.Popen([sys.executable, "-c", spawn])
+    try:
+        deadline = time.time() + 20
+        while bench.tree_cpu_s(parent.pid) < 0.6 and time.time() < deadline:
+            time.sleep(0.1)
+        assert bench.tree_cpu_s(parent.pid) >= 0.6
+    finally:
+        import psutil
+
+        for child in psutil.Process(parent.pid).children(recursive=True):
+            child.kill()
+        parent.kill()
+        parent.wait()
+    assert bench.tree_cpu_s(parent.pid) == 0.0  # gone: nothing to count
+
+
+def test_cpu_readings_per_sample_trained_and_generated(bench: Any, capsys: Any) -> None:
+    trl = {"cpu_s": 120.0, "time_s": 60.0, "samples": 60_000}
+    ours = {"cpu_s": 90.0, "time_s": 60.0, "samples": 30_000, "generated_samples": 90_000}
+    got = bench.cpu_readings(trl, ours)
+    assert got["trl_cores_busy"] == pytest.approx(2.0) and got["ours_cores_busy"] == pytest.approx(1.5)
+    assert got["trl_cpu_ms_per_sample"] == pytest.approx(2.0)
+    assert got["ours_cpu_ms_per_sample"] == pytest.approx(3.0)
+    assert got["ours_cpu_ms_per_generated_sample"] == pytest.approx(1.0)
+    assert bench.cpu_readings(trl, {**ours, "generated_samples": 0})["ours_cpu_ms_per_generated_sample"] is None
