@@ -243,9 +243,9 @@ class GeneratorActor(LoopPhases):
                     client.release(open_groups)
             client.close()
             with contextlib.suppress(Exception):
+                rewards.close()  # first: a remote scorer closes its connections on the runner's loop
                 runner.close()
                 source.close()
-                rewards.close()
         return self.stats()
 
     def _lane(self) -> tuple[int, int] | None:

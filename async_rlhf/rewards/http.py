@@ -48,6 +48,13 @@ class JsonPoster:
             self._client, self._loop = httpx.AsyncClient(timeout=self.timeout_s, limits=limits), loop
         return self._client
 
+    def close(self) -> None:
+        """Close the client's keep-alive connections on the loop that opened them, if that loop can still run
+        (call it before closing the loop; a closed loop leaves the sockets to the garbage collector)."""
+        client, loop, self._client, self._loop = self._client, self._loop, None, None
+        if client is not None and loop is not None and not loop.is_closed() and not loop.is_running():
+            loop.run_until_complete(client.aclose())
+
     async def post(self, payload: object) -> object:
         """The decoded JSON answer; any failure is a :class:`RewardError` naming the scorer and the cause."""
         import httpx
@@ -94,3 +101,7 @@ class HttpScorer(RewardSource):
         if not isinstance(answer, dict) or "rewards" not in answer:
             raise RewardError(f"scorer {self.url} answered {answer!r:.80}; expected {{\"rewards\": [...]}}")
         return check_rewards(answer["rewards"], len(completions), f"scorer {self.url}")
+
+    def close(self) -> None:
+        if self._poster is not None:
+            self._poster.close()

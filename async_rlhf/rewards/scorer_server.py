@@ -42,6 +42,7 @@ class ScorerServer:
         self.lock = threading.Lock()
         self.requests = 0
         self.connections = 0
+        self.connections_closed = 0
         self.dropped = 0
         self._closing = threading.Event()
         server = self
@@ -53,6 +54,11 @@ class ScorerServer:
                 super().setup()
                 with server.lock:
                     server.connections += 1
+
+            def finish(self) -> None:
+                super().finish()
+                with server.lock:
+                    server.connections_closed += 1
 
             def do_POST(self) -> None:  # noqa: N802 - http.server's name
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))

@@ -56,3 +56,24 @@ def test_http_scorer_keeps_its_connections_alive():
         assert server.requests == 20 and server.connections == 1, "each request opened its own connection"
     finally:
         server.close()
+
+
+def test_http_scorer_closes_its_connections_when_closed():
+    """The generator closes its reward sources before its event loop: the scorer sees the connection end."""
+    server = ScorerServer()
+    loop = asyncio.new_event_loop()
+    try:
+        scorer = HttpScorer(server.url, timeout_s=5.0)
+        assert loop.run_until_complete(scorer.score(PROMPT, ["042"])) == [1.0]
+        assert server.connections == 1 and server.connections_closed == 0
+        scorer.close()
+        deadline = time.monotonic() + 5
+        while server.connections_closed < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert server.connections_closed == 1, "the scorer's connection stayed open after close()"
+        scorer.close()  # again: nothing left to close
+        assert loop.run_until_complete(scorer.score(PROMPT, ["1"])) == [0.0]  # usable again: a new client
+        assert server.connections == 2
+    finally:
+        loop.close()
+        server.close()
