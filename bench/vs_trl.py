@@ -20,8 +20,9 @@ Both are scored by ``async_rlhf.tiny.sft.greedy_accuracy``'s rule on the task's 
 greedy, the same rule). Printed per task: end accuracy and time of TRL, the time async_rlhf needs to reach it,
 time to fixed thresholds (first evaluation at or above; and held: the mean of 3 evaluations in a row, against
 what TRL holds over its second half, since one evaluation swings by up to 0.1), samples/s trained (and
-generated, for ours: dynamic sampling trains only groups whose rewards differ), and the learner's push-wait and
-compute fractions.
+generated, for ours: dynamic sampling trains only groups whose rewards differ), the learner's push-wait and
+compute fractions, and what each side spent of the machine over its training time: cores kept busy and CPU ms
+per sample (TRL's process without its evaluations; our driver's whole process tree, Ray and every actor).
 
     pip install -e '.[cpu,dev,bench]'
     python bench/vs_trl.py [--quick] [--budget-s 600] [--tasks addition,longtail,addition3]
