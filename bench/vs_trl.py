@@ -369,7 +369,8 @@ def main() -> None:
     p.add_argument("--model", default="", help="start both sides from this Hugging Face directory instead of "
                    "the tiny policy's SFT warm start for the task (built and cached in runs/cache)")
     p.add_argument("--tasks", default=",".join(TASKS), help="comma-separated subset of " + ",".join(TASKS))
-    p.add_argument("--eval-every-s", type=float, default=0.0, help="TRL evaluation interval (default budget/12)")
+    p.add_argument("--eval-every-s", type=float, default=0.0, help="longest TRL evaluation interval (default "
+                   "budget/60: its clock stops while it evaluates, and ours evaluates every few seconds)")
     p.add_argument("--generators", type=int, default=0, help="async_rlhf's generators (default: one per two cores "
                    "beside the learner's, at least 1)")
     p.add_argument("--out", default="runs/vs_trl/results.json")
@@ -381,7 +382,7 @@ def main() -> None:
     for task in args.tasks.split(","):
         if task not in TASKS:
             p.error(f"unknown task {task!r}; choose from {', '.join(TASKS)}")
-        rows.append(compare(task, budget, args.eval_every_s or budget / 12, out.parent, args.model,
+        rows.append(compare(task, budget, args.eval_every_s or budget / 60, out.parent, args.model,
                             args.generators or default_generators()))
         report(rows[-1])
         out.write_text(json.dumps({"budget_s": budget, "tasks": rows}, indent=2))
