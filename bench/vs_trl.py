@@ -142,7 +142,8 @@ def run_trl(cfg: Any, model_dir: str, budget_s: float, eval_every_s: float, work
     steps = curve[-1]["step"]
     samples = steps * cfg.train.batch_size * cfg.train.group_size
     return {"curve": curve, "time_s": clock.train_s, "steps": steps, "samples_per_s": samples / clock.train_s,
-            "accuracy_end": curve[-1]["accuracy"], "cpu_s": cpu_s, "samples": samples}
+            "accuracy_end": curve[-1]["accuracy"], "cpu": {"cpu_s": cpu_s, "time_s": clock.train_s,
+                                                           "samples": samples}}
 
 
 # -- async_rlhf ----------------------------------------------------------------------------------------
@@ -206,10 +207,10 @@ def run_ours(cfg_args: list[str], group_size: int, model_dir: str, budget_s: flo
             steps = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "step" in r]
             first = steps[0]["time"] if steps else None
             time.sleep(0.5)
-        cpu0 = tree_cpu_s(proc.pid)  # start-up is not counted, as for the clock
+        cpu0, cpu_from = tree_cpu_s(proc.pid), time.time()  # start-up is not counted, as for the clock
         while time.time() - first < budget_s and proc.poll() is None:
             time.sleep(0.5)
-        cpu_s = tree_cpu_s(proc.pid) - cpu0
+        cpu_s, cpu_until = tree_cpu_s(proc.pid) - cpu0, time.time()
         send_control(run_dir, {"op": "stop"})
         proc.wait(timeout=600)
     finally:
@@ -226,10 +227,14 @@ def run_ours(cfg_args: list[str], group_size: int, model_dir: str, budget_s: flo
     span = steps[-1]["time"] - first
     curve.append({"time_s": span, "step": steps[-1]["step"], "accuracy": summary["accuracy_end"]})
     put = steps[-1].get("buffer/put", 0) * group_size  # groups put -> samples generated
+    in_window = [r for r in steps if cpu_from < r["time"] <= cpu_until]  # the steps the CPU reading covers
     return {"curve": curve, "time_s": span, "steps": steps[-1]["step"], "accuracy_end": summary["accuracy_end"],
-            "samples_per_s": sum(r["rollout/samples"] for r in steps[1:]) / max(span, 1e-9), "cpu_s": cpu_s,
-            "samples": sum(r["rollout/samples"] for r in steps[1:]), "generated_samples": put,
+            "samples_per_s": sum(r["rollout/samples"] for r in steps[1:]) / max(span, 1e-9),
             "generated_samples_per_s": put / max(span, 1e-9),
+            "cpu": {"cpu_s": cpu_s, "time_s": cpu_until - cpu_from,
+                    "samples": sum(r["rollout/samples"] for r in in_window),
+                    "generated_samples": group_size * (in_window[-1].get("buffer/put", 0) - in_window[0].get(
+                        "buffer/put", 0)) if in_window else 0},
             "learner_push_wait_fraction": summary.get("learner_push_wait_fraction"),
             "learner_compute_fraction": summary.get("learner_compute_fraction"),
             "zero_advantage_share": steps[-1].get("buffer/dropped_zero_advantage", 0) / max(1, steps[-1].get(
@@ -309,16 +314,18 @@ def compare(task: str, budget_s: float, eval_every_s: float, out_dir: Path, mode
 
 
 def cpu_readings(trl: dict[str, Any], ours: dict[str, Any]) -> dict[str, float | None]:
-    """What each side spent of the machine: cores kept busy (CPU seconds over training seconds) and CPU
-    milliseconds per sample trained (ours also per sample generated: dynamic sampling generates more than it
-    trains). On a machine both sides fill, the side that spends less per sample that teaches is the faster one."""
-    def per_sample(run: dict[str, Any], key: str) -> float | None:
-        return 1000 * run["cpu_s"] / run[key] if run.get("cpu_s") is not None and run.get(key) else None
+    """What each side spent of the machine, from its ``cpu`` reading (CPU seconds, the wall seconds they were
+    read over, and the samples trained, for ours also generated, within those seconds): cores kept busy and CPU
+    milliseconds per sample (dynamic sampling generates more than it trains). On a machine both sides fill,
+    the side that spends less per sample that teaches is the faster one."""
+    def per_sample(cpu: dict[str, float], key: str) -> float | None:
+        return 1000 * cpu["cpu_s"] / cpu[key] if cpu.get(key) else None
 
-    return {"trl_cores_busy": trl["cpu_s"] / trl["time_s"], "ours_cores_busy": ours["cpu_s"] / ours["time_s"],
-            "trl_cpu_ms_per_sample": per_sample(trl, "samples"),
-            "ours_cpu_ms_per_sample": per_sample(ours, "samples"),
-            "ours_cpu_ms_per_generated_sample": per_sample(ours, "generated_samples")}
+    return {"trl_cores_busy": trl["cpu"]["cpu_s"] / trl["cpu"]["time_s"],
+            "ours_cores_busy": ours["cpu"]["cpu_s"] / ours["cpu"]["time_s"],
+            "trl_cpu_ms_per_sample": per_sample(trl["cpu"], "samples"),
+            "ours_cpu_ms_per_sample": per_sample(ours["cpu"], "samples"),
+            "ours_cpu_ms_per_generated_sample": per_sample(ours["cpu"], "generated_samples")}
 
 
 def fmt(x: float | None) -> str:

@@ -55,6 +55,8 @@ def test_tree_cpu_counts_the_descendants_of_the_process(bench: Any) -> None:
     import sys
     import time
 
+    import psutil
+
     busy = "import time\nt=time.process_time()\nwhile time.process_time()-t<0.6: pass\ntime.sleep(30)"
     spawn = f"import subprocess, sys; subprocess.run([sys.executable, '-c', {busy!r}])"
     parent = subprocess.Popen([sys.executable, "-c", spawn])
@@ -64,8 +66,6 @@ def test_tree_cpu_counts_the_descendants_of_the_process(bench: Any) -> None:
             time.sleep(0.1)
         assert bench.tree_cpu_s(parent.pid) >= 0.6
     finally:
-        import psutil
-
         for child in psutil.Process(parent.pid).children(recursive=True):
             child.kill()
         parent.kill()
@@ -73,12 +73,13 @@ def test_tree_cpu_counts_the_descendants_of_the_process(bench: Any) -> None:
     assert bench.tree_cpu_s(parent.pid) == 0.0  # gone: nothing to count
 
 
-def test_cpu_readings_per_sample_trained_and_generated(bench: Any, capsys: Any) -> None:
-    trl = {"cpu_s": 120.0, "time_s": 60.0, "samples": 60_000}
-    ours = {"cpu_s": 90.0, "time_s": 60.0, "samples": 30_000, "generated_samples": 90_000}
-    got = bench.cpu_readings(trl, ours)
+def test_cpu_readings_per_sample_trained_and_generated(bench: Any) -> None:
+    trl = {"time_s": 600.0, "cpu": {"cpu_s": 120.0, "time_s": 60.0, "samples": 60_000}}
+    ours = {"time_s": 605.0, "cpu": {"cpu_s": 90.0, "time_s": 60.0, "samples": 30_000, "generated_samples": 90_000}}
+    got = bench.cpu_readings(trl, ours)  # over the seconds the CPU was read over, not the run's span
     assert got["trl_cores_busy"] == pytest.approx(2.0) and got["ours_cores_busy"] == pytest.approx(1.5)
     assert got["trl_cpu_ms_per_sample"] == pytest.approx(2.0)
     assert got["ours_cpu_ms_per_sample"] == pytest.approx(3.0)
     assert got["ours_cpu_ms_per_generated_sample"] == pytest.approx(1.0)
-    assert bench.cpu_readings(trl, {**ours, "generated_samples": 0})["ours_cpu_ms_per_generated_sample"] is None
+    nothing_generated = {**ours, "cpu": {**ours["cpu"], "generated_samples": 0}}
+    assert bench.cpu_readings(trl, nothing_generated)["ours_cpu_ms_per_generated_sample"] is None
