@@ -12,6 +12,7 @@ reference server.
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlsplit
@@ -21,6 +22,8 @@ from async_rlhf.rewards.base import Completion, RewardError, RewardSource, check
 
 MAX_CONNECTIONS = 256
 """Open connections per scorer and event loop (requests beyond it queue in the client's pool)."""
+CLOSE_TIMEOUT_S = 5.0
+"""Longest wait for an earlier loop's client to close its connections when a scorer moves to a new loop."""
 
 
 def check_url(url: str) -> None:
@@ -44,6 +47,7 @@ class JsonPoster:
 
         loop = asyncio.get_running_loop()
         if self._client is None or self._loop is not loop:
+            self._close_client(running=loop)  # the earlier loop's client: its connections end on that loop
             limits = httpx.Limits(max_connections=MAX_CONNECTIONS, max_keepalive_connections=MAX_CONNECTIONS)
             self._client, self._loop = httpx.AsyncClient(timeout=self.timeout_s, limits=limits), loop
         return self._client
@@ -51,9 +55,23 @@ class JsonPoster:
     def close(self) -> None:
         """Close the client's keep-alive connections on the loop that opened them, if that loop can still run
         (call it before closing the loop; a closed loop leaves the sockets to the garbage collector)."""
+        self._close_client(running=None)
+
+    def _close_client(self, running: asyncio.AbstractEventLoop | None) -> None:
+        """Close the client on its own loop: scheduled there if that loop runs (in another thread), else run to
+        completion, on a helper thread when this thread is running another loop (``running``), which forbids
+        running a second one here."""
         client, loop, self._client, self._loop = self._client, self._loop, None, None
-        if client is not None and loop is not None and not loop.is_closed() and not loop.is_running():
+        if client is None or loop is None or loop.is_closed():
+            return
+        if loop.is_running():
+            asyncio.run_coroutine_threadsafe(client.aclose(), loop)
+        elif running is None:
             loop.run_until_complete(client.aclose())
+        else:
+            closer = threading.Thread(target=loop.run_until_complete, args=(client.aclose(),), daemon=True)
+            closer.start()
+            closer.join(CLOSE_TIMEOUT_S)
 
     async def post(self, payload: object) -> object:
         """The decoded JSON answer; any failure is a :class:`RewardError` naming the scorer and the cause."""

@@ -2,7 +2,9 @@
 wrong scorer is a RewardError naming it."""
 
 import asyncio
+import gc
 import time
+import warnings
 
 import pytest
 
@@ -76,4 +78,34 @@ def test_http_scorer_closes_its_connections_when_closed():
         assert server.connections == 2
     finally:
         loop.close()
+        server.close()
+
+
+def test_http_scorer_closes_the_earlier_loops_connections_when_it_moves_to_a_new_loop():
+    """A client cannot move between event loops: the scorer opens one on the new loop and closes the old one's
+    connections on the old loop, instead of leaving them open until garbage collection."""
+    server = ScorerServer()
+    first, second = asyncio.new_event_loop(), asyncio.new_event_loop()
+    try:
+        gc.collect()
+        scorer = HttpScorer(server.url, timeout_s=5.0)
+        assert first.run_until_complete(scorer.score(PROMPT, ["042"])) == [1.0]
+        with warnings.catch_warnings(record=True) as caught:  # dropped unclosed, its transport would warn
+            warnings.simplefilter("always")
+            assert second.run_until_complete(scorer.score(PROMPT, ["042"])) == [1.0]
+            gc.collect()
+        port = server.url.split(":")[2].split("/")[0]  # sockets of earlier tests' scorers may be collected here too
+        ours = [str(w.message) for w in caught if issubclass(w.category, ResourceWarning) and port in str(w.message)]
+        assert not ours, ours
+        deadline = time.monotonic() + 5
+        while server.connections_closed < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert server.connections == 2 and server.connections_closed == 1, "the first loop's connection stayed open"
+        scorer.close()
+        while server.connections_closed < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert server.connections_closed == 2
+    finally:
+        first.close()
+        second.close()
         server.close()
