@@ -26,7 +26,7 @@ per sample (TRL's process without its evaluations; our driver's whole process tr
 
     pip install -e '.[cpu,dev,bench]'
     python bench/vs_trl.py [--quick] [--budget-s 600] [--tasks addition,longtail,addition3]
-                           [--out runs/vs_trl/results.json]
+                           [--ours-set generator.groups_in_flight=24 ...] [--out runs/vs_trl/results.json]
 
 Writes ``--out`` (JSON ``{"tasks": [{"task", "trl_accuracy_end", "trl_time_s", "time_to_trl_accuracy_s",
 "trl_samples_per_s", "ours_samples_per_s", "learner_push_wait_fraction", ...curves}]}``) and
@@ -60,10 +60,11 @@ WINDOW = 3
 """Evaluations averaged by the held readings (one greedy evaluation of 200-500 prompts swings by up to 0.1)."""
 
 
-def task_config(task: str) -> Any:
+def task_config(task: str, ours_set: tuple[str, ...] = ()) -> Any:
+    """The task's config with the shared settings, and ``ours_set`` on top (checked here, before TRL's run)."""
     from async_rlhf.config import load_config
 
-    return load_config(None, TASKS[task] + SHARED)
+    return load_config(None, TASKS[task] + SHARED + list(ours_set))
 
 
 def start_policy(cfg: Any) -> str:
@@ -187,7 +188,7 @@ def default_generators() -> int:
 
 
 def run_ours(cfg_args: list[str], group_size: int, model_dir: str, budget_s: float, eval_every: int,
-             work: Path, generators: int) -> dict[str, Any]:
+             work: Path, generators: int, ours_set: tuple[str, ...] = ()) -> dict[str, Any]:
     from async_rlhf.driver.fleet import send_control
 
     run_dir = work / "ours"
@@ -196,7 +197,7 @@ def run_ours(cfg_args: list[str], group_size: int, model_dir: str, budget_s: flo
     args = [sys.executable, str(ROOT / "launch" / "cluster.py"), "--generators", str(generators), "--learners", "1",
             *cfg_args, f"generator.groups_in_flight={in_flight}",
             "train.steps=10000000", f"generator.eval_every={eval_every}", "run.log_every_s=15",
-            f"model.path={model_dir}", f"run.dir={run_dir}"]
+            f"model.path={model_dir}", f"run.dir={run_dir}", *ours_set]  # last: the user's settings win
     log = (work / "ours.log").open("w")
     proc = subprocess.Popen(args, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -278,8 +279,8 @@ def plot(task: str, trl: dict[str, Any], ours: dict[str, Any], path: Path, gener
 
 
 def compare(task: str, budget_s: float, eval_every_s: float, out_dir: Path, model: str = "",
-            generators: int = 1) -> dict[str, Any]:
-    cfg = task_config(task)
+            generators: int = 1, ours_set: tuple[str, ...] = ()) -> dict[str, Any]:
+    cfg = task_config(task, ours_set)
     model_dir = str(Path(model).resolve()) if model else start_policy(cfg)
     with tempfile.TemporaryDirectory(prefix=f"vs_trl_{task}_") as tmp:
         work = Path(tmp)
@@ -289,12 +290,14 @@ def compare(task: str, budget_s: float, eval_every_s: float, out_dir: Path, mode
         # our evaluations run on generator 0 inside our clock (200 greedy prompts, ~0.2 s of its time), so every
         # 40 versions (~4 s of training); every 10 took about a sixth of the one generator's time on addition
         eval_every = {"longtail": 5}.get(task, 40)
-        ours = run_ours(TASKS[task] + SHARED, cfg.train.group_size, model_dir, budget_s, eval_every, work, generators)
+        ours = run_ours(TASKS[task] + SHARED, cfg.train.group_size, model_dir, budget_s, eval_every, work, generators,
+                        ours_set)
         (out_dir / f"{task}_ours.log").write_text((work / "ours.log").read_text())
     plot(task, trl, ours, out_dir / f"{task}_curves.png", generators)
     target = trl["accuracy_end"]
     held = held_accuracy(trl["curve"], trl["time_s"] / 2)
-    return {"task": task, "generators": generators, "trl_accuracy_end": target, "trl_time_s": trl["time_s"],
+    return {"task": task, "generators": generators, "ours_set": list(ours_set), "trl_accuracy_end": target,
+            "trl_time_s": trl["time_s"],
             "time_to_trl_accuracy_s": time_to(ours["curve"], target), "trl_samples_per_s": trl["samples_per_s"],
             "trl_first_at_its_end_accuracy_s": time_to(trl["curve"], target),
             "ours_samples_per_s": ours["samples_per_s"],
@@ -380,17 +383,25 @@ def main() -> None:
                    "budget/60: its clock stops while it evaluates, and ours evaluates every few seconds)")
     p.add_argument("--generators", type=int, default=0, help="async_rlhf's generators (default: one per two cores "
                    "beside the learner's, at least 1)")
+    p.add_argument("--ours-set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a setting of async_rlhf's run only, after the shared ones (repeatable), e.g. "
+                   "generator.groups_in_flight=24: what-if runs against the same TRL baseline")
     p.add_argument("--out", default="runs/vs_trl/results.json")
     args = p.parse_args()
     budget = args.budget_s or (150.0 if args.quick else 600.0)
     out = Path(args.out).resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
     rows = []
-    for task in args.tasks.split(","):
+    for task in args.tasks.split(","):  # every task and --ours-set checked before the first run
         if task not in TASKS:
             p.error(f"unknown task {task!r}; choose from {', '.join(TASKS)}")
+        try:
+            task_config(task, tuple(args.ours_set))
+        except ValueError as exc:
+            p.error(f"--ours-set: {exc}")
+    for task in args.tasks.split(","):
         rows.append(compare(task, budget, args.eval_every_s or budget / 60, out.parent, args.model,
-                            args.generators or default_generators()))
+                            args.generators or default_generators(), tuple(args.ours_set)))
         report(rows[-1])
         out.write_text(json.dumps({"budget_s": budget, "tasks": rows}, indent=2))
     print(f"\nwritten {out} and the curves beside it")

@@ -83,3 +83,11 @@ def test_cpu_readings_per_sample_trained_and_generated(bench: Any) -> None:
     assert got["ours_cpu_ms_per_generated_sample"] == pytest.approx(1.0)
     nothing_generated = {**ours, "cpu": {**ours["cpu"], "generated_samples": 0}}
     assert bench.cpu_readings(trl, nothing_generated)["ours_cpu_ms_per_generated_sample"] is None
+
+
+def test_ours_set_reaches_our_config_only_and_a_wrong_key_is_refused_before_any_run(bench: Any) -> None:
+    cfg = bench.task_config("addition", ("generator.groups_in_flight=24",))
+    assert cfg.generator.groups_in_flight == 24 and cfg.generator.max_new_tokens == 6
+    assert bench.task_config("addition").generator.groups_in_flight != 24
+    with pytest.raises(ValueError, match="groups_in_fligt"):
+        bench.task_config("addition", ("generator.groups_in_fligt=24",))
