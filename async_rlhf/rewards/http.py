@@ -55,12 +55,16 @@ class JsonPoster:
     def close(self) -> None:
         """Close the client's keep-alive connections on the loop that opened them, if that loop can still run
         (call it before closing the loop; a closed loop leaves the sockets to the garbage collector)."""
-        self._close_client(running=None)
+        try:
+            running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:  # the usual case: called outside any loop
+            running = None
+        self._close_client(running)
 
     def _close_client(self, running: asyncio.AbstractEventLoop | None) -> None:
         """Close the client on its own loop: scheduled there if that loop runs (in another thread), else run to
-        completion, on a helper thread when this thread is running another loop (``running``), which forbids
-        running a second one here."""
+        completion, on a helper thread when this thread is running a loop (``running``), which forbids running
+        a second one here."""
         client, loop, self._client, self._loop = self._client, self._loop, None, None
         if client is None or loop is None or loop.is_closed():
             return
