@@ -61,7 +61,7 @@ WINDOW = 3
 
 
 def task_config(task: str, ours_set: tuple[str, ...] = ()) -> Any:
-    """The task's config with the shared settings, and ``ours_set`` on top (checked here, before TRL's run)."""
+    """The task's config with the shared settings; ``ours_set`` on top gives our run's config (never TRL's)."""
     from async_rlhf.config import load_config
 
     return load_config(None, TASKS[task] + SHARED + list(ours_set))
@@ -280,7 +280,8 @@ def plot(task: str, trl: dict[str, Any], ours: dict[str, Any], path: Path, gener
 
 def compare(task: str, budget_s: float, eval_every_s: float, out_dir: Path, model: str = "",
             generators: int = 1, ours_set: tuple[str, ...] = ()) -> dict[str, Any]:
-    cfg = task_config(task, ours_set)
+    cfg = task_config(task)  # TRL's run and the shared start: --ours-set never reaches them
+    group_size = task_config(task, ours_set).train.group_size  # our samples per group, under --ours-set
     model_dir = str(Path(model).resolve()) if model else start_policy(cfg)
     with tempfile.TemporaryDirectory(prefix=f"vs_trl_{task}_") as tmp:
         work = Path(tmp)
@@ -290,8 +291,7 @@ def compare(task: str, budget_s: float, eval_every_s: float, out_dir: Path, mode
         # our evaluations run on generator 0 inside our clock (200 greedy prompts, ~0.2 s of its time), so every
         # 40 versions (~4 s of training); every 10 took about a sixth of the one generator's time on addition
         eval_every = {"longtail": 5}.get(task, 40)
-        ours = run_ours(TASKS[task] + SHARED, cfg.train.group_size, model_dir, budget_s, eval_every, work, generators,
-                        ours_set)
+        ours = run_ours(TASKS[task] + SHARED, group_size, model_dir, budget_s, eval_every, work, generators, ours_set)
         (out_dir / f"{task}_ours.log").write_text((work / "ours.log").read_text())
     plot(task, trl, ours, out_dir / f"{task}_curves.png", generators)
     target = trl["accuracy_end"]

@@ -5,6 +5,7 @@ import asyncio
 import gc
 import time
 import warnings
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -94,7 +95,7 @@ def test_http_scorer_closes_the_earlier_loops_connections_when_it_moves_to_a_new
             warnings.simplefilter("always")
             assert second.run_until_complete(scorer.score(PROMPT, ["042"])) == [1.0]
             gc.collect()
-        port = server.url.split(":")[2].split("/")[0]  # sockets of earlier tests' scorers may be collected here too
+        port = str(urlsplit(server.url).port)  # sockets of earlier tests' scorers may be collected here too
         ours = [str(w.message) for w in caught if issubclass(w.category, ResourceWarning) and port in str(w.message)]
         assert not ours, ours
         deadline = time.monotonic() + 5

@@ -91,3 +91,21 @@ def test_ours_set_reaches_our_config_only_and_a_wrong_key_is_refused_before_any_
     assert bench.task_config("addition").generator.groups_in_flight != 24
     with pytest.raises(ValueError, match="groups_in_fligt"):
         bench.task_config("addition", ("generator.groups_in_fligt=24",))
+
+
+def test_ours_set_never_reaches_trls_run(bench: Any, monkeypatch: Any, tmp_path: Any) -> None:
+    """TRL trains with the shared settings whatever --ours-set says (a what-if changes our side only)."""
+    seen: dict[str, Any] = {}
+
+    class Captured(Exception):
+        pass
+
+    def capture_trl(cfg: Any, *_: Any) -> None:
+        seen["cfg"] = cfg
+        raise Captured
+
+    monkeypatch.setattr(bench, "start_policy", lambda cfg: str(tmp_path))
+    monkeypatch.setattr(bench, "run_trl", capture_trl)
+    with pytest.raises(Captured):
+        bench.compare("addition", 10.0, 1.0, tmp_path, ours_set=("train.lr=0.5", "generator.temperature=0.3"))
+    assert seen["cfg"].train.lr == pytest.approx(1e-4) and seen["cfg"].generator.temperature == pytest.approx(1.0)
