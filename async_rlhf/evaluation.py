@@ -93,7 +93,7 @@ def eval_figures(model_dir: str, cfg: Config) -> dict[str, float] | None:
     import torch
 
     from async_rlhf.env.registry import make_env
-    from async_rlhf.learner.device import load_eval_model
+    from async_rlhf.eval_model import load_eval_model
     from async_rlhf.prompts.chat import ChatRenderer
     from async_rlhf.rewards.build import make_rewards
     from async_rlhf.tokenizer import load_tokenizer, stop_token_ids

@@ -40,7 +40,7 @@ def resolve_model(cfg: Config, cache_root: Path) -> str:
 def heldout_accuracy(model_dir: str, cfg: Config) -> float:
     """Greedy held-out accuracy of a Hugging Face model directory, with transformers (independent of vLLM)."""
     from async_rlhf.env.registry import make_task
-    from async_rlhf.learner.device import load_eval_model
+    from async_rlhf.eval_model import load_eval_model
     from async_rlhf.tiny.sft import greedy_accuracy
     from async_rlhf.tokenizer import load_tokenizer
 

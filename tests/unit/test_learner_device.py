@@ -79,7 +79,7 @@ class LoadRecorder:
 
 
 def test_the_driver_evaluates_on_the_gpu_in_the_models_dtype_when_there_is_room(tmp_path) -> None:
-    from async_rlhf.learner.device import load_eval_model
+    from async_rlhf.eval_model import load_eval_model
 
     (tmp_path / "model.safetensors").write_bytes(b"\0" * 1000)
     on_gpu = LoadRecorder()
