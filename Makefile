@@ -16,7 +16,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/python -m pytest -q tests
+	$(VENV)/bin/python -m pytest -q --durations=40 tests
 
 # the unit tier alone (no server, no process group, no engine): a minute or two
 test-fast: $(STAMP)
