@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -33,6 +34,7 @@ def load_bench() -> Callable[[str], ModuleType]:
         spec = importlib.util.spec_from_file_location(f"bench_{path.stem}", path)
         assert spec is not None and spec.loader is not None, f"no bench script {path}"
         module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # dataclasses look their module up while the script runs
         spec.loader.exec_module(module)
         return module
 
