@@ -1,7 +1,8 @@
 """Every benchmark runs at tiny sizes into a directory that does not exist yet and writes the JSON its docstring
 promises (keys checked, never a timing). A benchmark nobody runs rots: this is what keeps them runnable.
 
-The stack benchmarks start from the tiny random-weight model (``model.path=``), two learner steps each; the
+The transport benches (buffer, weight_sync) run through bench/all.py, which checks that no row measured
+nothing. The stack benchmarks start from the tiny random-weight model (``model.path=``), two learner steps each; the
 figures mean nothing here, only that every code path of the script runs to the end. ``bench/pipeline.py`` has
 its own test (tests/integration/test_pipeline_bench.py, the standalone phase); ``bench/vs_trl.py`` runs only
 where the bench extra (TRL) is installed.
@@ -32,21 +33,29 @@ def run_bench(script: str, args: list[str], out: Path, timeout_s: float = 600) -
     return json.loads(out.read_text())
 
 
-def test_buffer_bench(tmp_path: Path) -> None:
-    out = tmp_path / "new" / "buffer.json"
-    data = run_bench("buffer.py", ["--quick", "--seconds", "0.1", "--repeats", "1", "--out", str(out)], out)
-    stores = {r["store"] for r in data["rows"]}
-    assert {"memory", "redis"} <= stores
-    assert all({"payload_bytes", "msgs_per_s", "raw_msgs_per_s", "ratio", "p99_ms"} <= set(r) for r in data["rows"])
-
-
-def test_weight_sync_bench(tmp_path: Path) -> None:
-    out = tmp_path / "new" / "weight_sync.json"
-    data = run_bench("weight_sync.py", ["--quick", "--sizes", "0.2", "--receivers", "1", "--dtypes", "float32",
-                                        "--layouts", "few_large", "--storage", "flat", "--reps", "2",
-                                        "--out", str(out)], out)
-    (row,) = data["rows"]
-    assert row["receivers"] == 1 and row["dtype"] == "float32" and {"bytes", "push_s", "raw_s", "ratio"} <= set(row)
+def test_all_runs_buffer_and_weight_sync_into_one_json(tmp_path: Path) -> None:
+    """bench/all.py over the two transport benches at tiny sizes: each bench's rows, target and pass/fail, the
+    machine and commit; no row of either measured nothing (all.py makes that an error, exit 1)."""
+    out = tmp_path / "new" / "all.json"
+    out.parent.mkdir()
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "all.py"), "--quick", "--only", "buffer,weight_sync", "--out", str(out),
+         "--args", "buffer=--seconds 0.1 --precision 0.5 --repeats 1",
+         "--args", "weight_sync=--sizes 0.2 --receivers 1 --dtypes float32 --layouts few_large --storage flat "
+                   "--reps 2"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, f"all.py failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
+    data = json.loads(out.read_text())
+    assert data["machine"]["cpu_model"] and data["machine"]["load_average_after"] and data["commit"]
+    buffer, sync = data["benches"]
+    assert (buffer["name"], sync["name"]) == ("buffer", "weight_sync")
+    assert all(b["error"] is None and b["target"] and isinstance(b["holds"], bool) for b in (buffer, sync))
+    assert {"memory", "redis", "memory-16p4c", "redis-16p4c"} <= {r["store"] for r in buffer["rows"]}
+    assert all(r["msgs_per_s"] > 0 and r["raw_msgs_per_s"] > 0 and r["relay_msgs_per_s"] > 0 for r in buffer["rows"])
+    (row,) = sync["rows"]
+    assert row["receivers"] == 1 and row["dtype"] == "float32" and row["push_s"] > 0 and row["raw_s"] > 0
+    own = json.loads((out.parent / "all_benches" / "buffer" / "results.json").read_text())
+    assert own["commit"] == data["commit"] and "relay_ratio" in own["compares"]
 
 
 def test_learner_memory_bench(tmp_path: Path) -> None:
