@@ -54,7 +54,8 @@ log = logging.getLogger(__name__)
 
 class GeneratorActor(LoopPhases):
     def __init__(self, gen_id: int, cfg: Config, model_path: str, buffer_address: str) -> None:
-        from vllm import LLM  # heavy import at the edge
+        from vllm import LLM, SamplingParams  # heavy import at the edge
+        from vllm.sampling_params import RequestOutputKind
 
         from async_rlhf.endpoints import bind_gloo_to_node
         from async_rlhf.generator.engine_args import VersionClock, engine_kwargs, engine_lag
@@ -75,6 +76,11 @@ class GeneratorActor(LoopPhases):
         self._clock = VersionClock(engine_lag(engine, cfg.resources.generator_gpus > 0))
         """Stamps the tokens of each engine step with the version that computed them."""
         self.engine = self.llm.llm_engine
+        # detokenize=False: the loop reads token ids and log-probs only (text is decoded once per finished turn,
+        # by the policy); vLLM's per-token detokenizing of outputs and log-prob tokens cost ~10% of its step here
+        self._rollout_params = functools.cache(lambda max_tokens, n: SamplingParams(
+            n=n, max_tokens=max_tokens, temperature=cfg.generator.temperature, logprobs=0,
+            stop_token_ids=self.stop_ids, output_kind=RequestOutputKind.DELTA, detokenize=False))
         self.tokenizer = load_tokenizer(model_path)  # the model's own (special tokens, chat template)
         self.stop_ids = stop_token_ids(model_path, self.tokenizer)  # generation_config.json's eos ids too
         self.chat = ChatRenderer(self.tokenizer, cfg.prompts.chat_template, model_path)
@@ -184,11 +190,6 @@ class GeneratorActor(LoopPhases):
         gen_cfg = cfg.generator
         client = make_client(cfg, self.buffer_address, consumer=f"generator-{self.gen_id}")
         patience = cfg.buffer.redis_retry_s + cfg.buffer.request_timeout_s
-        # detokenize=False: the loop reads token ids and log-probs only (text is decoded once per finished turn,
-        # by the policy); vLLM's per-token detokenizing of outputs and log-prob tokens cost ~10% of its step here
-        self._rollout_params = functools.cache(lambda max_tokens, n: SamplingParams(
-            n=n, max_tokens=max_tokens, temperature=gen_cfg.temperature, logprobs=0, stop_token_ids=self.stop_ids,
-            output_kind=RequestOutputKind.DELTA, detokenize=False))
         from async_rlhf.prompts.build import make_prompts
         from async_rlhf.rewards.build import make_rewards
 
@@ -332,8 +333,12 @@ class GeneratorActor(LoopPhases):
         return str(self.tokenizer.decode(token_ids, skip_special_tokens=True))
 
     def _add_turn_request(self, request_id: str, context_ids: list[int], max_tokens: int, n: int) -> None:
+        from async_rlhf.generator.engine_args import prompt_inputs
+
         self.policy.version = self.version  # observation tokens are stamped with the version being served
-        self.engine.add_request(request_id, {"prompt_token_ids": context_ids}, self._rollout_params(max_tokens, n))
+        # salted with that version: never prompt KV of older weights from vLLM's prefix cache (engine_args.py)
+        self.engine.add_request(request_id, prompt_inputs(context_ids, self.version),
+                                self._rollout_params(max_tokens, n))
 
     def _record(self, event: str, gid: str, rewards: list[float] | None, reason: str) -> None:
         """Ledger and counters of the GroupRunner's events (see ``generator/groups.py``)."""
@@ -361,5 +366,7 @@ class GeneratorActor(LoopPhases):
         if self._running.is_set():
             raise RuntimeError("score() needs the generator loop stopped first (call stop() and wait for run())")
         params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0)
-        outs = self.llm.generate([{"prompt_token_ids": s} for s in sequences], params, use_tqdm=False)
+        from async_rlhf.generator.engine_args import prompt_inputs
+
+        outs = self.llm.generate([prompt_inputs(s, self.version) for s in sequences], params, use_tqdm=False)
         return [[o.prompt_logprobs[i][s[i]].logprob for i in range(1, len(s))] for o, s in zip(outs, sequences)]

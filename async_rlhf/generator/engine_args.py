@@ -11,6 +11,16 @@ Per-device defaults (``generator.*`` set to auto / 0 picks them)::
     max_model_len         model.max_model_len                  model.max_model_len
     tensor_parallel_size  1                                    resources.tensor_parallel
     async_scheduling      off (in_flight) / vLLM's (drain)     same: see VersionClock
+    logprobs_mode         processed_logprobs                   processed_logprobs
+
+``logprobs_mode="processed_logprobs"``: the log-prob vLLM returns for a sampled token is that of the distribution
+it was sampled from (logits / generator.temperature), not vLLM's default ``raw_logprobs`` (log_softmax of the
+raw logits, whatever the temperature); the learner divides its logits by the same temperature, so both sides of
+every importance ratio are pi_T. At temperature 1 the two modes give the same values.
+
+Prefix caching stays on (vLLM's default): every request carries the version being served as its ``cache_salt``
+(:func:`prompt_inputs`), so a request never reads prompt KV that older weights wrote (docs/architecture.md,
+"Versions").
 
 Async scheduling (on by default on GPU): a step returns the tokens of the step before while the next one is
 already computing, so a swap between two steps would let tokens of the old weights come back after it. With
@@ -52,7 +62,25 @@ def engine_kwargs(cfg: Any) -> dict[str, Any]:
     }
     if gen.update_mode == "in_flight":
         out["async_scheduling"] = False  # see the module docstring
+    out["logprobs_mode"] = "processed_logprobs"  # the sampled distribution's log-probs (module docstring)
     return out
+
+
+def prompt_inputs(token_ids: list[int], version: int) -> dict[str, Any]:
+    """The engine input of a request started while ``version`` is served: its token ids and the version as
+    vLLM's ``cache_salt``.
+
+    vLLM's prefix cache keys a block by its tokens (and the salt, folded into the first block's hash and so into
+    every later one); it knows nothing of weight swaps. Without the salt a request started after a swap reuses
+    prompt KV (a shared system prompt, the earlier turns of a conversation, the same prompt drawn again) that any
+    older version computed, while its tokens are stamped with the new one. ``reset_prefix_cache()`` after a swap
+    is no cure in flight: it refuses while any running request holds a block (vLLM 0.32
+    ``BlockPool.reset_prefix_cache``), which in the in-flight loop is nearly always, and
+    ``reset_running_requests=True`` preempts and recomputes every request in flight at every swap. With the salt,
+    requests of one version still share their prompt blocks (a group's samples, a common system prompt), and
+    blocks of older versions are simply never hit again (evicted as the cache needs room).
+    """
+    return {"prompt_token_ids": token_ids, "cache_salt": f"v{version}"}
 
 
 def engine_lag(kwargs: dict[str, Any], on_gpu: bool) -> int:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from async_rlhf.buffer.client import with_retry
+from async_rlhf.generator.engine_args import prompt_inputs
 from async_rlhf.generator.groups import GroupRunner
 from async_rlhf.generator.prompt_filter import UninformativePromptFilter
 from async_rlhf.generator.stream import PromptStream, group_id
@@ -88,7 +89,7 @@ class LoopPhases:
                 and (st.eval_version < 0 or self.version // every > st.eval_version // every)):
             st.eval_version = self.version
             for i, ids in enumerate(self._heldout_ids):
-                self.engine.add_request(f"{EVAL_PREFIX}{i}", {"prompt_token_ids": ids}, eval_params)
+                self.engine.add_request(f"{EVAL_PREFIX}{i}", prompt_inputs(ids, self.version), eval_params)
                 st.eval_pending += 1
 
     def _admit_phase(self, st: LoopState, client: Any, problems: PromptStream, source: Any, runner: GroupRunner,

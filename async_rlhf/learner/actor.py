@@ -309,7 +309,9 @@ class LearnerActor:
             return online_dpo_update(self.engine, self.ref_model, self.cfg, batch, sizes, self._phase,
                                      self._optimizer_step, max_over_ranks if self.world_size > 1 else None)
         lc = self.cfg.learner
-        opts = ForwardOptions(lc.pack, lc.logprob_chunk_tokens, lc.max_tokens_per_micro_batch)
+        # log-probs of the distribution the generators sampled from: logits / generator.temperature
+        opts = ForwardOptions(lc.pack, lc.logprob_chunk_tokens, lc.max_tokens_per_micro_batch,
+                              self.cfg.generator.temperature)
         n = batch.input_ids.shape[0]
         k = min(self.cfg.train.minibatches, n)
         every = torch.arange(n)

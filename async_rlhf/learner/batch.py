@@ -79,20 +79,26 @@ def collate(groups: list[Group], pad_id: int, advantage: str) -> Batch:
                  [g.group_id for g in groups], observed)
 
 
-def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, chunk_tokens: int = 0) -> torch.Tensor:
+def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, chunk_tokens: int = 0,
+                   temperature: float = 1.0) -> torch.Tensor:
     """Log-prob of each next token: [N, L, V] logits and [N, L] ids -> [N, L-1], in float32 (or wider).
+
+    ``temperature``: of log_softmax(logits / temperature), the distribution the generators sample from
+    (``generator.temperature``; vLLM returns the same, see ``generator/engine_args.py``). At 1 nothing is divided:
+    the values are those of the plain log-softmax, bit for bit.
 
     ``chunk_tokens > 0`` never builds the [N, L-1, V] log-softmax: it takes a logsumexp per chunk of that
     many token positions and gathers the picked logit (:class:`_ChunkedLogprob`), and its backward writes
     the gradient chunk by chunk, so only the logits and their gradient are ever full size. Same values.
     """
     if chunk_tokens <= 0:
-        logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+        x = logits[:, :-1].float()
+        logp = torch.log_softmax(x if temperature == 1.0 else x / temperature, dim=-1)
         return logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
     n, length, vocab = logits.shape
     # every position of the contiguous [N*L, V] view (no copy); the last column predicts nothing and is dropped
     targets = torch.cat([input_ids[:, 1:], torch.zeros_like(input_ids[:, :1])], dim=1).reshape(-1)
-    flat = _ChunkedLogprob.apply(logits.reshape(n * length, vocab), targets, chunk_tokens)
+    flat = _ChunkedLogprob.apply(logits.reshape(n * length, vocab), targets, chunk_tokens, float(temperature))
     return flat.view(n, length)[:, :-1]
 
 
@@ -100,48 +106,58 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+def _tempered(x: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``x / temperature``, or ``x`` itself at 1 (no division: bit for bit the untempered values)."""
+    return x if temperature == 1.0 else x / temperature
+
+
 class _ChunkedLogprob(torch.autograd.Function):
-    """logits [T, V], targets [T] -> log softmax(logits)[t, targets[t]] [T], chunk by chunk.
+    """logits [T, V], targets [T] -> log softmax(logits / temp)[t, targets[t]] [T], chunk by chunk.
 
     Forward keeps only the per-token logsumexp; backward recomputes each chunk's softmax from the saved
-    logits: d logp_t / d logits_t = onehot(target_t) - softmax(logits_t).
+    logits: d logp_t / d logits_t = (onehot(target_t) - softmax(logits_t / temp)) / temp.
     """
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, chunk: int) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, chunk: int,  # type: ignore[override]
+                temperature: float = 1.0) -> torch.Tensor:
         dtype = _compute_dtype(logits.dtype)
         lse = torch.empty(logits.shape[0], dtype=dtype, device=logits.device)
         out = torch.empty_like(lse)
         for s in range(0, logits.shape[0], chunk):
-            x = logits[s:s + chunk].to(dtype)
+            x = _tempered(logits[s:s + chunk].to(dtype), temperature)
             lse[s:s + chunk] = torch.logsumexp(x, dim=-1)
             out[s:s + chunk] = x.gather(-1, targets[s:s + chunk].unsqueeze(-1)).squeeze(-1) - lse[s:s + chunk]
         ctx.save_for_backward(logits, targets, lse)
         ctx.chunk = chunk
+        ctx.temperature = temperature
         return out
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):  # type: ignore[override]
         logits, targets, lse = ctx.saved_tensors
+        temp = ctx.temperature
         grad = torch.empty_like(logits)
         for s in range(0, logits.shape[0], ctx.chunk):
-            g = grad_out[s:s + ctx.chunk].unsqueeze(-1).to(lse.dtype)
-            part = torch.exp(logits[s:s + ctx.chunk].to(lse.dtype) - lse[s:s + ctx.chunk].unsqueeze(-1)) * -g
+            g = _tempered(grad_out[s:s + ctx.chunk].unsqueeze(-1).to(lse.dtype), temp)
+            x = _tempered(logits[s:s + ctx.chunk].to(lse.dtype), temp)
+            part = torch.exp(x - lse[s:s + ctx.chunk].unsqueeze(-1)) * -g
             part.scatter_add_(-1, targets[s:s + ctx.chunk].unsqueeze(-1), g)
             grad[s:s + ctx.chunk] = part.to(grad.dtype)
-        return grad, None, None
+        return grad, None, None, None
 
 
 @torch.no_grad()
-def entropy_sum(logits: torch.Tensor, positions: torch.Tensor, chunk_tokens: int = 0) -> float:
-    """Summed entropy (nats) of the next-token distributions at ``positions`` (indices into the rows of the
-    [T, V] ``logits``), without gradient; ``chunk_tokens > 0`` takes that many positions at a time instead of
-    all of them at once. ``-inf`` logits give 0 * log 0 = 0."""
+def entropy_sum(logits: torch.Tensor, positions: torch.Tensor, chunk_tokens: int = 0,
+                temperature: float = 1.0) -> float:
+    """Summed entropy (nats) of the next-token distributions softmax(logits / temperature) at ``positions``
+    (indices into the rows of the [T, V] ``logits``), without gradient; ``chunk_tokens > 0`` takes that many
+    positions at a time instead of all of them at once. ``-inf`` logits give 0 * log 0 = 0."""
     dtype = _compute_dtype(logits.dtype)
     step = chunk_tokens if chunk_tokens > 0 else max(1, positions.numel())
     total = 0.0
     for s in range(0, positions.numel(), step):
-        log_p = torch.log_softmax(logits[positions[s:s + step]].to(dtype), dim=-1)
+        log_p = torch.log_softmax(_tempered(logits[positions[s:s + step]].to(dtype), temperature), dim=-1)
         log_p = log_p.clamp(min=torch.finfo(dtype).min)
         total += float(-(log_p.exp() * log_p).sum().item())
     return total

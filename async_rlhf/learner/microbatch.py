@@ -39,6 +39,9 @@ class ForwardOptions:
     pack: bool = False
     chunk_tokens: int = 0
     max_tokens: int = 0
+    temperature: float = 1.0
+    """``generator.temperature``: log-probs (and entropies) of softmax(logits / temperature), the distribution
+    the generators sampled from (batch.token_logprobs)."""
 
 
 def plan_micro_batches(lengths: list[int], budget: int, pack: bool) -> list[list[int]]:
@@ -75,7 +78,7 @@ def forward_logprobs(model: Any, input_ids: Tensor, attention_mask: Tensor, opts
     dev = input_ids.device  # the rank's device (learner/device.py): every index below is made there
     if not opts.pack:
         logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
-        logp = token_logprobs(logits, input_ids, opts.chunk_tokens)
+        logp = token_logprobs(logits, input_ids, opts.chunk_tokens, opts.temperature)
         where = ((torch.arange(n, device=dev) * width).unsqueeze(1)
                  + torch.arange(width - 1, device=dev).unsqueeze(0))  # flat row of (i, t)
     else:
@@ -87,11 +90,12 @@ def forward_logprobs(model: Any, input_ids: Tensor, attention_mask: Tensor, opts
         cols = torch.arange(width - 1, device=dev).unsqueeze(0)
         valid = cols < (lengths - 1).unsqueeze(1)
         where = torch.where(valid, (torch.cumsum(lengths, 0) - lengths).unsqueeze(1) + cols, 0)
-        logp = torch.where(valid, token_logprobs(logits, flat_ids, opts.chunk_tokens)[0][where],
+        logp = torch.where(valid, token_logprobs(logits, flat_ids, opts.chunk_tokens, opts.temperature)[0][where],
                            torch.zeros((), dtype=torch.float32, device=dev))
     ent = 0.0
     if entropy_mask is not None:
-        ent = entropy_sum(logits.reshape(-1, logits.shape[-1]), where[entropy_mask > 0], opts.chunk_tokens)
+        ent = entropy_sum(logits.reshape(-1, logits.shape[-1]), where[entropy_mask > 0], opts.chunk_tokens,
+                          opts.temperature)
     return logp, ent
 
 

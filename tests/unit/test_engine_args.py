@@ -11,8 +11,20 @@ from async_rlhf.generator.engine_args import VersionClock, engine_kwargs, engine
 def test_cpu_defaults_are_what_the_engine_always_got() -> None:
     kw = engine_kwargs(load_config())
     assert kw == {"dtype": "float32", "enforce_eager": True, "max_model_len": load_config().model.max_model_len,
-                  "gpu_memory_utilization": 0.3, "tensor_parallel_size": 1, "async_scheduling": False}
+                  "gpu_memory_utilization": 0.3, "tensor_parallel_size": 1, "async_scheduling": False,
+                  "logprobs_mode": "processed_logprobs"}
     assert engine_lag(kw, on_gpu=False) == 0
+
+
+def test_behaviour_logprobs_are_the_sampled_distributions_and_requests_are_salted_by_version() -> None:
+    """vLLM returns log-probs after temperature (the learner divides its logits by it too) on every device, and a
+    request's prefix-cache salt is the version it starts under: no prompt KV of older weights is reused."""
+    from async_rlhf.generator.engine_args import prompt_inputs
+
+    for extra in ([], ["resources.generator_gpus=1", "resources.learner_gpus=1"], ["generator.temperature=0.7"]):
+        assert engine_kwargs(load_config(None, extra))["logprobs_mode"] == "processed_logprobs"
+    assert prompt_inputs([5, 6], 3) == {"prompt_token_ids": [5, 6], "cache_salt": "v3"}
+    assert prompt_inputs([5, 6], 3)["cache_salt"] != prompt_inputs([5, 6], 4)["cache_salt"]
 
 
 def test_gpu_defaults_and_overrides() -> None:
