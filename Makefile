@@ -28,7 +28,8 @@ test-fast: $(STAMP)
 GPU_VENV := .venv-gpu
 test-gpu:
 	[ -x $(GPU_VENV)/bin/python ] || $(PY) -m venv $(GPU_VENV)
-	[ -f $(GPU_VENV)/.installed ] || ($(GPU_VENV)/bin/python -m pip install --quiet -e ".[gpu,dev]" && touch $(GPU_VENV)/.installed)
+	[ -f $(GPU_VENV)/.installed ] || ($(GPU_VENV)/bin/python -m pip install --quiet -e ".[gpu,dev]" \
+	  && $(GPU_VENV)/bin/python -m async_rlhf.prebuild && touch $(GPU_VENV)/.installed)
 	$(GPU_VENV)/bin/python -m pytest -q -rs -m gpu tests/gpu
 
 lint: $(STAMP)

@@ -95,6 +95,13 @@ def local_resources(cfg) -> dict[str, float]:
     return {"CPU": cpus, "GPU": float(gpus), "_cores": float(os.cpu_count() or 1)}
 
 
+def node_memory_gb() -> float:
+    """This machine's memory (all of it: what else runs now may change, the fleet's need does not)."""
+    import psutil
+
+    return psutil.virtual_memory().total / 1e9
+
+
 def build_config(args: argparse.Namespace):
     from async_rlhf.config import check_model_dir, load_config
 
@@ -156,13 +163,23 @@ def main(argv: list[str] | None = None) -> int:
         args.address = args.address or os.environ.get("RAY_ADDRESS") or None  # `ray job submit` sets it
         if args.address:
             check_address(args.address)
+        from async_rlhf.driver.memory_plan import check_memory, plan_for
+
+        memory = plan_for(cfg)  # host memory per role: a fleet this machine cannot hold is refused here
         if args.dry_run and not args.address:
             here = local_resources(cfg)
             print(format_plan(plan, {"CPU": here["_cores"], "GPU": here["GPU"]}))
-            print("plan (JSON): " + json.dumps(plan.to_dict()))
+            print(memory.table())
+            try:
+                check_memory(memory, node_memory_gb())
+                print(f"fits this machine's memory ({node_memory_gb():.1f} GB): yes")
+            except ConfigError as exc:
+                print(f"fits this machine's memory: no, {exc}")
+            print("plan (JSON): " + json.dumps({**plan.to_dict(), "memory": memory.to_dict()}))
             return 0
         if not args.address:
             check_fits(plan, local_resources(cfg), "this machine")
+            check_memory(memory, node_memory_gb())
         else:
             import ray
 

@@ -26,3 +26,7 @@ import vllm, transformers, deepspeed, ray, zmq, msgpack, redis  # noqa: F401  th
 print(f"environment ready: vllm {vllm.__version__}, transformers {transformers.__version__}, "
       f"deepspeed {deepspeed.__version__}, ray {ray.__version__}")
 PY
+# Build now what a first run would otherwise compile during its start-up (DeepSpeed's shm_comm op, vLLM's model
+# info, matplotlib's font list): see async_rlhf/prebuild.py. Caches follow TORCH_EXTENSIONS_DIR, VLLM_CACHE_ROOT,
+# MPLCONFIGDIR as the runs will.
+"$VENV/bin/python" -m async_rlhf.prebuild

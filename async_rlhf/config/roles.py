@@ -20,8 +20,10 @@ class GeneratorConfig(Section):
     """Prompt groups each generator keeps in flight (subject to the admission rule)."""
     update_mode: Literal["in_flight", "drain"] = "in_flight"
     """How a new version is loaded: in_flight (pause between engine steps, swap, resume) or drain."""
-    kv_cache_gib: AtLeastOne = 1
-    """VLLM_CPU_KVCACHE_SPACE per engine, GiB."""
+    kv_cache_gib: AboveZero = 1.0
+    """KV cache of each CPU engine, GiB; fractions too (0.05: ~54 MB, plenty for the tiny models). Passed as vLLM's
+    kv_cache_memory_bytes (its VLLM_CPU_KVCACHE_SPACE takes whole GiB only); the GPU engine sizes its cache by
+    generator.gpu_memory_utilization instead."""
     threads: AtLeastOne = 1
     """Torch threads per generator process."""
     cpus: str = "auto"
@@ -161,8 +163,15 @@ class RunConfig(Section):
     """Addresses the roles listen on: loopback (one host), node (each node's own IP, the buffer under per-run
     CURVE keys) or auto (node when the Ray cluster has more than one node)."""
     rendezvous_timeout_s: AboveZero = 120.0
-    """Seconds every learner rank has to join DeepSpeed's rendezvous (and every node to answer the start-up
-    checks) before the run stops with the node and address that failed."""
+    """Seconds the learner ranks have to get through DeepSpeed's rendezvous, counted from the moment the last of
+    them reached it (and every node to answer the start-up checks), before the run stops with the node and
+    address that failed."""
+    startup_phase_s: AboveZero = 120.0
+    """Budget of each start-up phase of a rank (process start, imports, op build, model load, engine build, first
+    push): past it the rank is reported slow and given another budget while it or another starting rank makes
+    progress (uses CPU); when nothing does, the run stops naming the phase (see async_rlhf/startup/phases.py)."""
+    startup_silent_s: AboveZero = 90.0
+    """A starting rank whose heartbeat stops for this long stops the run (its process died or hangs)."""
     overwrite: bool = False
     """Start afresh in a run.dir that holds a previous run (its files are deleted first); without it a
     non-empty run.dir is refused unless --resume continues it."""

@@ -85,9 +85,12 @@ class Cluster:
 
         from async_rlhf.buffer.actor import BufferActor
         from async_rlhf.driver.placement import plan_placement
+        from async_rlhf.driver.startup_watch import StartupWatch
         from async_rlhf.endpoints import NETWORK_ENV, make_run_keys, run_keys_env, use_node_addresses
         from async_rlhf.generator.actor import GeneratorActor
+        from async_rlhf.startup.phases import FIRST_PUSH
 
+        t0 = time.time()
         self.cfg = cfg
         self.model_path = model_path
         self.plan = plan_placement(cfg)
@@ -109,8 +112,14 @@ class Cluster:
         if self.across_nodes:  # every actor (and this driver's own buffer client) learns the mode and the keys
             self.role_env.update({NETWORK_ENV: "node", **run_keys_env(make_run_keys())})
             os.environ.update(self.role_env)
+        # every rank reports its start-up phases to the watch's board (progress line, deadlines per phase)
+        self.startup = StartupWatch(cfg, t0, error=NodeSetupError)
+        self.role_env.update(self.startup.env)
+        t = self._driver_phase("ray start", t0)
         self.groups = self._placement_groups()
+        t = self._driver_phase("placement", t)
         self.nodes = self._probe_nodes()
+        t = self._driver_phase("node checks", t)
         buffer_cfg, restarts = cfg, 0
         if cfg.buffer.store == "redis" and cfg.run.buffer_max_restarts:
             # a restarted actor binds the same address (its clients reconnect to it): choose the port now, one
@@ -121,6 +130,7 @@ class Cluster:
             num_cpus=res.buffer_cpus, max_restarts=restarts, scheduling_strategy=self._in_group("buffer", 0),
             runtime_env={"env_vars": self.role_env}).remote(buffer_cfg)
         self.buffer_address = ray.get(self.buffer.address.remote())
+        self._driver_phase("buffer start", t)
         self._gen_cls = ray.remote(GeneratorActor)
         self._gen_opts = {"num_cpus": res.generator_cpus, "num_gpus": res.generator_gpus, "max_concurrency": 4,
                           "resources": self.plan.role("generators").custom(),  # a late joiner's too
@@ -128,23 +138,34 @@ class Cluster:
                           "runtime_env": {"env_vars": {**self.role_env, **engine_env(cfg)}}}
         self.generators = [self._gen_cls.options(**self._gen_opts, scheduling_strategy=self._in_group(
             "generators", i)).remote(i, cfg, model_path, self.buffer_address) for i in range(cfg.generators)]
+        for i in range(cfg.generators):
+            self.startup.add(f"generator {i}", "generators", self.nodes["generators"][i]["node"])
         self.added: list[Any] = []
         # learner rank 0's node hosts both rendezvous: DeepSpeed's and the weight push's store
         rank0 = self.nodes["learners"][0]
         self.master = (rank0["host"], rank0["port"])
         self.push_host = rank0["host"]
         self._start_learners(model_path)
-        ray.get([g.ready.remote() for g in self.generators])
+        self.startup.wait({f"generator {i}": g.ready.remote() for i, g in enumerate(self.generators)})
         self.cpu_plan = pin_roles(cfg, self.buffer, self.generators, self.learners, self.nodes)
         # the push group: learner rank 0 and every generator, on a TCPStore of its own
         layout = ray.get([lr.weight_layout.remote() for lr in self.learners])[0]
         self.layout = layout
         ids = [f"gen{i}" for i in range(cfg.generators)]
         members = [m for g in ids for m in tp_member_ids(g, res.tensor_parallel)]  # every TP worker receives
+        self.startup.enter(FIRST_PUSH)
         self.push_port = ray.get(self.learners[0].open_weight_sync.remote(self.push_host))
-        ray.get([self.learners[0].form_weight_sync.remote(members)]
-                + [g.init_weight_sync.remote(self.push_host, self.push_port, mid, layout)
-                   for mid, g in zip(ids, self.generators)])
+        self.startup.wait({"learner rank 0": self.learners[0].form_weight_sync.remote(members),
+                           **{f"generator {i}": g.init_weight_sync.remote(self.push_host, self.push_port, mid, layout)
+                              for i, (mid, g) in enumerate(zip(ids, self.generators))}}, then=FIRST_PUSH)
+        self.startup.finish()
+        self.startup_s_by_phase = self.startup.figures()
+        """Seconds per start-up phase and role (summary.json's ``startup_s_by_phase``)."""
+
+    def _driver_phase(self, phase: str, since: float) -> float:
+        now = time.time()
+        self.startup.driver_phase(phase, now - since)
+        return now
 
     def _probe_nodes(self) -> dict[str, list[dict[str, Any]]]:
         """Ask every bundle's node where it would listen and whether it sees the run directory and the model
@@ -192,6 +213,9 @@ class Cluster:
         for attempt in range(attempts):
             self.learners = [learner_cls.options(**opts, scheduling_strategy=self._in_group("learners", r)).remote(
                 r, cfg.learners, cfg, model_path, *self.master, self.buffer_address) for r in range(cfg.learners)]
+            for r in range(cfg.learners):
+                self.startup.add(f"learner rank {r}", "learners", self.nodes["learners"][r]["node"])
+            self.startup.set_rendezvous(*self.master)
             try:
                 self._await_learners()
                 return
@@ -206,25 +230,10 @@ class Cluster:
             self.master = (self.master[0], ray.get(probe.remote(self.master[0]), timeout=60))
 
     def _await_learners(self) -> None:
-        """Every learner rank joins DeepSpeed's rendezvous within ``run.rendezvous_timeout_s`` or the run stops
-        with one line naming the rank, its node and the address it dialled."""
-        import ray
-
-        refs = [lr.ready.remote() for lr in self.learners]
-        deadline = time.monotonic() + self.cfg.run.rendezvous_timeout_s
-        pending = list(refs)
-        while pending and time.monotonic() < deadline:  # a rank that fails (rank 0's bind) raises at once
-            done, pending = ray.wait(pending, num_returns=1, timeout=max(deadline - time.monotonic(), 0.0))
-            ray.get(done)
-        host, port = self.master
-        for r, ref in enumerate(refs):
-            if ref in pending:
-                node = self.nodes["learners"][r]["node"]
-                raise NodeSetupError(
-                    f"learner rank {r} on node {node} did not join the DeepSpeed rendezvous at {host}:{port} within "
-                    f"{self.cfg.run.rendezvous_timeout_s:.0f} s (run.rendezvous_timeout_s): check that node {node} "
-                    f"reaches {host} on TCP port {port} and on gloo's ports (firewall, routes), and that every rank "
-                    "started (ray status)")
+        """Every learner rank starts, each phase within its deadline, or the run stops with one line naming the rank,
+        its node and the phase (for the rendezvous, counted from the last rank reaching it, the address it
+        dialled): see async_rlhf/startup/phases.py. A rank that fails (rank 0's bind) raises at once."""
+        self.startup.wait({f"learner rank {r}": lr.ready.remote() for r, lr in enumerate(self.learners)})
 
     def pin_buffer(self) -> None:
         """Pin a restarted buffer actor's new process as the CPU plan says (the old one was pinned at start)."""
@@ -240,9 +249,19 @@ class Cluster:
         import ray
         from ray.util.placement_group import placement_group
 
+        from async_rlhf.driver.placement import unplaced_message
+
         groups = {r.role: placement_group(r.ray_bundles(), strategy=r.strategy.upper(), name="")
                   for r in self.plan.roles}
-        ray.get([pg.ready() for pg in groups.values()], timeout=120)
+        waited = self.cfg.run.startup_phase_s
+        deadline = time.monotonic() + waited
+        for role in self.plan.roles:  # in order: a group that cannot be placed is named with what is left
+            try:
+                ray.get(groups[role.role].ready(), timeout=max(deadline - time.monotonic(), 1.0))
+            except ray.exceptions.GetTimeoutError:
+                nodes = {n["NodeManagerAddress"]: dict(n["Resources"]) for n in ray.nodes() if n.get("Alive")}
+                raise NodeSetupError(unplaced_message(role, waited, ray.available_resources(),
+                                                      ray.cluster_resources(), nodes)) from None
         return groups
 
     def _in_group(self, role: str, index: int) -> Any:
@@ -285,6 +304,7 @@ class Cluster:
             ray.kill(actor)
         for pg in self.groups.values():
             remove_placement_group(pg)
+        self.startup.close()
 
     def shutdown(self) -> None:
         import ray

@@ -34,8 +34,9 @@ class RolePlan:
         return {k: v for k, v in self.bundle.items() if k not in ("CPU", "GPU")}
 
     def ray_bundles(self) -> list[dict[str, float]]:
-        """Bundles as Ray wants them: zero amounts left out, an empty bundle asks for a sliver of CPU."""
-        one = {k: float(v) for k, v in self.bundle.items() if v > 0} or {"CPU": 0.01}
+        """Bundles as Ray wants them: zero amounts left out, an empty bundle (Ray refuses those) asks for 1 MiB of
+        memory, never a sliver of CPU: 8 + 8 roles of 1 CPU and a buffer of 0 must fit 16 CPUs."""
+        one = {k: float(v) for k, v in self.bundle.items() if v > 0} or {"memory": float(1 << 20)}
         return [dict(one) for _ in range(self.count)]
 
 
@@ -117,6 +118,29 @@ def check_fits(plan: PlacementPlan, available: dict[str, float], where: str) -> 
                          for k, (need, have) in short.items())
         raise ConfigError(f"more resources than the cluster has ({what}); lower --generators/--learners or "
                           "resources.* per role, or add nodes")
+
+
+def _amounts(res: dict[str, float]) -> str:
+    """``CPU 4, GPU 0, memory 12.3 GB`` (Ray's own bookkeeping resources left out)."""
+    out = []
+    for k in sorted(res):
+        if k.startswith("node:") or k in ("object_store_memory",) or k.startswith("accelerator_type"):
+            continue
+        out.append(f"{k} {res[k] / 1e9:.1f} GB" if k == "memory" else f"{k} {_fmt(res[k])}")
+    return ", ".join(out)
+
+
+def unplaced_message(role: RolePlan, waited_s: float, available: dict[str, float], total: dict[str, float],
+                     nodes: dict[str, dict[str, float]]) -> str:
+    """Why a role's placement group is not placed: what it asks and what the cluster offers (free now, after the
+    groups placed before it, and in all; per node)."""
+    bundle = "{" + ", ".join(f"{k}: {_fmt(v)}" for k, v in role.bundle.items() if v > 0) + "}"
+    free = ", ".join(f"{k} {_fmt(available.get(k, 0.0))} free of {_fmt(total.get(k, 0.0))}"
+                     for k, v in role.bundle.items() if v > 0)
+    per_node = "; ".join(f"node {n}: {_amounts(r)}" for n, r in sorted(nodes.items()))
+    return (f"the {role.role} placement group was not placed within {waited_s:.0f} s: it asks {role.count} bundle(s) "
+            f"of {bundle} ({role.strategy}) and the cluster offers {free} ({per_node}); lower --{role.role} or "
+            f"resources.{role.role.rstrip('s')}_* per bundle, or add nodes")
 
 
 def assign_to_nodes(plan: PlacementPlan, nodes: dict[str, dict[str, float]]) -> dict[str, list[str]]:

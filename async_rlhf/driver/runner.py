@@ -277,7 +277,11 @@ def run(cfg: Config, address: str | None = None, cache_root: Path = Path("runs/c
     elif not cfg.prompts.eval_path:
         print(f"task.name={cfg.task.name} has no held-out set of its own: no held-out figure is reported; give "
               "one with prompts.eval_path=FILE (JSONL or Parquet, scored by rewards.sources)", flush=True)
+    model_s = time.time() - t0
     cluster = Cluster(cfg, model_path, address)
+    startup_s = time.time() - t0
+    by_phase = cluster.startup_s_by_phase
+    by_phase["driver"] = {"model": round(model_s, 3), **by_phase.get("driver", {})}
     if stop is not None:
         catch_stop_signals(stop)  # ray.init replaced the SIGTERM handler
     try:
@@ -312,6 +316,8 @@ def run(cfg: Config, address: str | None = None, cache_root: Path = Path("runs/c
         **({"accuracy_start": start_acc, "accuracy_end": end_acc} if builtin else {}),
         **eval_summary(eval_start, eval_end),
         "wall_time_s": time.time() - t0,
+        "startup_s": startup_s,  # from the launch to every role started and the push group formed
+        "startup_s_by_phase": by_phase,  # per role, the slowest rank's seconds per phase
         "train_wall_time_s": figures["wall_time_s"],
         "generated_tokens_per_s": figures["generated_tokens_per_s"],
         "learner_samples_per_s": figures["learner_samples_per_s"],  # every rank's samples (records are reduced)

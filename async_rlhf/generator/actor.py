@@ -54,6 +54,11 @@ log = logging.getLogger(__name__)
 
 class GeneratorActor(LoopPhases):
     def __init__(self, gen_id: int, cfg: Config, model_path: str, buffer_address: str) -> None:
+        from async_rlhf.startup import phases
+        from async_rlhf.startup.reporter import StartupReporter
+
+        startup = StartupReporter(f"generator {gen_id}")  # the driver's start-up progress and deadlines
+        startup.phase(phases.IMPORTS, "vllm")
         from vllm import LLM, SamplingParams  # heavy import at the edge
         from vllm.sampling_params import RequestOutputKind
 
@@ -67,6 +72,7 @@ class GeneratorActor(LoopPhases):
         self.cfg = cfg
         self.buffer_address = buffer_address
         engine = engine_kwargs(cfg)  # per-device defaults; in-flight updates turn async scheduling off
+        startup.phase(phases.ENGINE)  # the model load is inside
         self.llm = LLM(
             model=model_path,
             worker_extension_cls="async_rlhf.generator.worker_ext.WeightSyncWorker",
@@ -123,6 +129,7 @@ class GeneratorActor(LoopPhases):
         prepared = [self.chat.prepare(p) for p in self._heldout]
         self._heldout = [p for p, _ in prepared]  # rendered: what the reward sources see
         self._heldout_ids = [ids for _, ids in prepared]
+        startup.phase(phases.STARTED)
 
     # -- control, called from other threads --------------------------------------------------
     def ready(self) -> int:

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from async_rlhf.config import Config
 
 CPU_MEMORY_UTILIZATION = 0.3
-"""What the CPU engine has always been given (its KV cache is VLLM_CPU_KVCACHE_SPACE instead)."""
+"""What the CPU engine has always been given (its KV cache is ``kv_cache_memory_bytes`` instead)."""
 GPU_MEMORY_UTILIZATION = 0.9
 """A dedicated GPU: vLLM's own default is 0.92; a little head room for the receive arena of the push."""
 
@@ -63,7 +63,13 @@ def engine_kwargs(cfg: Any) -> dict[str, Any]:
     if gen.update_mode == "in_flight":
         out["async_scheduling"] = False  # see the module docstring
     out["logprobs_mode"] = "processed_logprobs"  # the sampled distribution's log-probs (module docstring)
+    if not on_gpu:  # in bytes: VLLM_CPU_KVCACHE_SPACE, which vLLM would prefer, takes whole GiB only
+        out["kv_cache_memory_bytes"] = kv_cache_bytes(gen.kv_cache_gib)
     return out
+
+
+def kv_cache_bytes(gib: float) -> int:
+    return int(gib * (1 << 30))
 
 
 def prompt_inputs(token_ids: list[int], version: int) -> dict[str, Any]:
@@ -122,10 +128,10 @@ class VersionClock:
 
 def engine_env(cfg: Config) -> dict[str, str]:
     """The environment a vLLM engine process needs (a generator actor's runtime env, or in-process for offline
-    inference): vLLM's engine core in the same process, its KV cache size and threads from the config."""
+    inference): vLLM's engine core in the same process, its threads from the config (the KV cache size is an
+    engine argument: ``engine_kwargs``)."""
     return {
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        "VLLM_CPU_KVCACHE_SPACE": str(cfg.generator.kv_cache_gib),
         "VLLM_CPU_OMP_THREADS_BIND": "nobind",
         "OMP_NUM_THREADS": str(cfg.generator.threads),
         "VLLM_LOGGING_LEVEL": "ERROR",

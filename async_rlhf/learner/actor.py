@@ -46,17 +46,25 @@ COMPUTE = ("collate", "forward_backward", "optimizer")
 class LearnerActor:
     def __init__(self, rank: int, world_size: int, cfg: Config, model_path: str, master_addr: str,
                  master_port: int, buffer_address: str) -> None:
+        from async_rlhf.startup import phases
+        from async_rlhf.startup.reporter import StartupReporter
+
+        startup = StartupReporter(f"learner rank {rank}")  # the driver's start-up progress and deadlines
+        startup.phase(phases.IMPORTS, "deepspeed")
         import deepspeed
         import torch
         from transformers import AutoModelForCausalLM
 
         from async_rlhf.endpoints import bind_gloo_to_node
+        from async_rlhf.prebuild import load_ops
 
         torch.set_num_threads(cfg.learner.threads)
+        load_ops(startup.phase)  # DeepSpeed's shm_comm op, ahead of init_distributed: a build is a phase of its own
         torch.manual_seed(cfg.train.seed + rank)
         bind_gloo_to_node()  # DeepSpeed's and the push group's gloo pairs listen where the other nodes reach them
         os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": "0",
                            "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)})
+        startup.phase(phases.RENDEZVOUS)
         deepspeed.init_distributed(dist_backend=cfg.learner.backend, auto_mpi_discovery=False)
         from async_rlhf.learner.device import Placer, rank_device
 
@@ -65,6 +73,7 @@ class LearnerActor:
         self.model_path = model_path
         self.buffer_address = buffer_address
         dtype = getattr(torch, cfg.model.dtype)
+        startup.phase(phases.MODEL)
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
         model.config.use_cache = False
         if cfg.learner.gradient_checkpointing:
@@ -89,6 +98,7 @@ class LearnerActor:
             model = wrap_lora(model, cfg.train.lora)  # only the adapters train: the optimizer gets only them
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.train.lr,
                                       weight_decay=cfg.train.weight_decay)
+        startup.phase(phases.ENGINE)
         self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
         algorithm = cfg.train.algorithm
         self.ref_model = None  # the frozen initial policy: KL in the loss or the PPO reward, DPO's reference
@@ -117,6 +127,7 @@ class LearnerActor:
         self.timeline = Timeline(f"learner {rank}")
         self._trained_by_step: dict[int, dict[str, list[str]]] = {}
         self._stop_at: int | None = None
+        startup.phase(phases.STARTED)
 
     def ready(self) -> int:
         return self.rank

@@ -76,7 +76,7 @@ def model_rewards(rm_dir: Path, rows: list[dict[str, Any]], completions: list[li
     return out
 
 
-def vllm_env(threads: int, kv_cache_gib: int) -> dict[str, str]:
+def vllm_env(threads: int, kv_cache_gib: float) -> dict[str, str]:
     """The environment vLLM's CPU engine needs in-process (the generators' own, see ``engine_env``)."""
     from async_rlhf.config import Config
     from async_rlhf.generator.engine_args import engine_env
@@ -93,10 +93,12 @@ def generate(model_dir: Path, prompt_ids: list[list[int]], args: argparse.Namesp
         os.environ.setdefault(key, value)
     from vllm import LLM, SamplingParams
 
+    from async_rlhf.generator.engine_args import kv_cache_bytes
     from async_rlhf.tokenizer import stop_token_ids
 
     llm = LLM(model=str(model_dir), dtype="float32", enforce_eager=True, seed=args.seed,
-              max_model_len=args.max_model_len, gpu_memory_utilization=0.3)
+              max_model_len=args.max_model_len, gpu_memory_utilization=0.3,
+              kv_cache_memory_bytes=kv_cache_bytes(args.kv_cache_gib))
     params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p,
                             max_tokens=args.max_new_tokens, seed=args.seed,
                             stop_token_ids=stop_token_ids(model_dir, tok))  # generation_config.json's eos too
@@ -118,7 +120,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--max-model-len", type=int, default=64, help="vLLM context length (prompt + completion)")
-    p.add_argument("--kv-cache-gib", type=int, default=1, help="vLLM CPU KV cache (GiB)")
+    p.add_argument("--kv-cache-gib", type=float, default=1.0, help="vLLM CPU KV cache (GiB, fractions too)")
     p.add_argument("--threads", type=int, default=1, help="torch / OpenMP threads")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)

@@ -12,8 +12,21 @@ def test_cpu_defaults_are_what_the_engine_always_got() -> None:
     kw = engine_kwargs(load_config())
     assert kw == {"dtype": "float32", "enforce_eager": True, "max_model_len": load_config().model.max_model_len,
                   "gpu_memory_utilization": 0.3, "tensor_parallel_size": 1, "async_scheduling": False,
-                  "logprobs_mode": "processed_logprobs"}
+                  "kv_cache_memory_bytes": 1 << 30, "logprobs_mode": "processed_logprobs"}
     assert engine_lag(kw, on_gpu=False) == 0
+
+
+def test_kv_cache_takes_fractions_of_a_gib_as_bytes_and_gpu_engines_size_their_own() -> None:
+    """VLLM_CPU_KVCACHE_SPACE takes whole GiB only (vLLM int()s it): a fraction goes as kv_cache_memory_bytes."""
+    from async_rlhf.generator.engine_args import engine_env
+
+    cfg = load_config(None, ["generator.kv_cache_gib=0.05"])
+    assert engine_kwargs(cfg)["kv_cache_memory_bytes"] == int(0.05 * (1 << 30))
+    assert "VLLM_CPU_KVCACHE_SPACE" not in engine_env(cfg)  # it would override the bytes
+    gpu = engine_kwargs(load_config(None, ["resources.generator_gpus=1", "resources.learner_gpus=1"]))
+    assert "kv_cache_memory_bytes" not in gpu
+    with pytest.raises(ConfigError):
+        load_config(None, ["generator.kv_cache_gib=0"])
 
 
 def test_behaviour_logprobs_are_the_sampled_distributions_and_requests_are_salted_by_version() -> None:

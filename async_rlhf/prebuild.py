@@ -1,0 +1,122 @@
+"""Build, at install time, everything a run would otherwise compile or derive during its start-up.
+
+    python -m async_rlhf.prebuild          (``make setup`` runs it; so does the gpu extra's install)
+
+What a first run used to build inside its start-up, on the cores the roles were starting on:
+
+    DeepSpeed's shm_comm op   C++ JIT-built with ninja/gcc the first time a learner rank initialises
+                              DeepSpeed on CPU, into $TORCH_EXTENSIONS_DIR/deepspeed_shm_comm (default
+                              ~/.cache/torch_extensions/py311_cpu/...): 1 min on a quiet 2-core machine, 4 min
+                              beside starting vLLM engines, long enough to miss the rendezvous deadline
+    vLLM's model info         vLLM inspects a model class in a fresh Python subprocess (a full vllm import)
+                              once per architecture and caches it in $VLLM_CACHE_ROOT/modelinfos
+    matplotlib's font list    built on first import into $MPLCONFIGDIR (plots at the end of a run)
+
+Triton writes nothing on CPU (vLLM disables it without its CPU backend), and vLLM's eager engine compiles
+nothing (generator.enforce_eager=auto is on for the CPU engine). A learner rank still finding an op unbuilt
+builds it, and says so on the start-up progress line (phase ``building op shm_comm``).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ARCHITECTURES = ("Qwen2ForCausalLM", "LlamaForCausalLM")
+"""The tiny models' architectures (async_rlhf/tiny): their vLLM model info is derived ahead."""
+
+
+def shm_op_builder() -> Any | None:
+    """DeepSpeed's shared-memory communication op builder for this accelerator, or None where DeepSpeed
+    would not load one (the same test as ``deepspeed.comm.torch.build_shm_op``)."""
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
+        return None
+    return builder
+
+
+def op_dir(name: str) -> Path:
+    """Where torch's JIT puts extension ``name`` ($TORCH_EXTENSIONS_DIR/name, else the per-user cache)."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    return Path(_get_build_directory(name, verbose=False))
+
+
+def op_is_built(builder: Any) -> bool:
+    """Whether loading the op needs no compiler: installed prebuilt, or its JIT library is there and newer
+    than its sources (torch's ninja build would do nothing)."""
+    from deepspeed.git_version_info import installed_ops
+
+    if installed_ops.get(builder.NAME, False):
+        return True
+    lib = op_dir(builder.NAME) / f"{builder.NAME}.so"
+    if not lib.is_file():
+        return False
+    sources = [Path(builder.deepspeed_src_path(s)) for s in builder.sources()]
+    newest = max((s.stat().st_mtime for s in sources if s.exists()), default=0.0)
+    return lib.stat().st_mtime >= newest
+
+
+def load_ops(report: Callable[[str, str], None] | None = None) -> dict[str, bool]:
+    """Load (building if needed) every op DeepSpeed's communication backend will load, before it does, so the
+    build is a phase of its own: ``report(phase, detail)`` is told ``("op build", "shm_comm")`` when a compiler
+    is about to run, ``("op load", "shm_comm")`` otherwise. Returns ``{op name: built now}``."""
+    builder = shm_op_builder()
+    if builder is None:
+        return {}
+    built = op_is_built(builder)
+    if report is not None:
+        report("op load" if built else "op build", "shm_comm")
+    builder.load(verbose=False)  # DeepSpeed's later build_shm_op() finds it loaded (its _loaded_ops)
+    return {builder.NAME: not built}
+
+
+def warm_vllm_model_info(architectures: tuple[str, ...] = ARCHITECTURES) -> list[str]:
+    """Derive vLLM's cached model info of these architectures now (each a subprocess importing vLLM);
+    returns those it derived or found cached."""
+    from vllm.model_executor.models.registry import ModelRegistry
+
+    done = []
+    for arch in architectures:
+        model = ModelRegistry.models.get(arch)
+        if model is not None:
+            model.inspect_model_cls()
+            done.append(arch)
+    return done
+
+
+def warm_matplotlib() -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.font_manager  # noqa: F401  builds the font list cache on first import
+
+
+def main() -> int:
+    t0 = time.perf_counter()
+    builder = shm_op_builder()
+    if builder is None:
+        print("prebuild: DeepSpeed loads no shared-memory op on this accelerator")
+    else:
+        fresh = load_ops()[builder.NAME]
+        print(f"prebuild: DeepSpeed {builder.NAME} {'built' if fresh else 'already built'} in "
+              f"{op_dir(builder.NAME)}")
+    try:
+        archs = warm_vllm_model_info()
+        where = os.environ.get("VLLM_CACHE_ROOT") or "~/.cache/vllm"
+        print(f"prebuild: vLLM model info of {', '.join(archs)} in {where}")
+    except ImportError:  # an install without vLLM (never a CPU or GPU extra)
+        print("prebuild: vLLM is not installed; no model info derived")
+    warm_matplotlib()
+    print(f"prebuild: done in {time.perf_counter() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,68 @@
+"""The memory plan (async_rlhf/driver/memory_plan.py): per-role estimates, the refusal of a fleet larger than the
+node's memory naming the largest that fit, and the plan's bundles fitting the CPUs they were sized for."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from async_rlhf.config import ConfigError, load_config
+from async_rlhf.driver.memory_plan import check_memory, estimate_memory, model_parameters
+from async_rlhf.driver.placement import RolePlan, plan_placement, unplaced_message
+
+
+def test_tiny_model_estimates_match_what_was_measured_here() -> None:
+    plan = estimate_memory(load_config(None, ["generators=8", "learners=8"]), params=300_000)
+    assert plan.generator_gb == pytest.approx(0.9 + 1.0737 + 0.0012, abs=0.01)  # engine + 1 GiB KV cache + weights
+    assert plan.learner_gb == pytest.approx(0.6, abs=0.01)
+    assert plan.total_gb() == pytest.approx(21.6, abs=0.1)
+    small = estimate_memory(load_config(None, ["generator.kv_cache_gib=0.05"]), params=300_000)
+    assert small.generator_gb == pytest.approx(0.9 + 0.0537 + 0.0012, abs=0.01)
+
+
+def test_learner_state_scales_with_the_model_and_zero_shards_it() -> None:
+    params = 1_000_000_000
+    zero0 = estimate_memory(load_config(None, ["learners=4"]), params)
+    assert zero0.learner_gb == pytest.approx(0.6 + 16.0, abs=0.01)  # fp32 weights, grads, two Adam moments
+    zero3 = estimate_memory(load_config(None, ["learners=4", "learner.zero_stage=3"]), params)
+    assert zero3.learner_gb == pytest.approx(0.6 + 4.0, abs=0.01)
+    kl = estimate_memory(load_config(None, ["train.objective.kl_coef=0.1"]), params)
+    assert kl.learner_gb == pytest.approx(zero0.learner_gb + 4.0, abs=0.01)  # the frozen reference
+    gpu = estimate_memory(load_config(None, ["resources.generator_gpus=1", "resources.learner_gpus=1"]), params)
+    assert (gpu.generator_gb, gpu.learner_gb) == (0.9, 0.6)  # on the host: the process, not the model
+
+
+def test_a_fleet_larger_than_the_node_is_refused_naming_the_largest_that_fit() -> None:
+    plan = estimate_memory(load_config(None, ["generators=16", "learners=16"]), params=300_000)
+    with pytest.raises(ConfigError) as err:
+        check_memory(plan, node_gb=25.3)
+    msg = str(err.value)
+    assert "16 generator(s) and 16 learner rank(s) need about 42.3 GB" in msg and "has 25.3 GB" in msg
+    assert "--generators 7 --learners 16" in msg and "--generators 9 --learners 9" in msg
+    assert "generator.kv_cache_gib" in msg
+    check_memory(estimate_memory(load_config(None, ["generators=8", "learners=8"]), 300_000), node_gb=25.3)
+
+
+def test_model_parameters_from_the_weight_files(tmp_path: Path) -> None:
+    (tmp_path / "model.safetensors").write_bytes(b"\0" * 4000)
+    (tmp_path / "config.json").write_text(json.dumps({"torch_dtype": "bfloat16"}))
+    assert model_parameters(tmp_path) == 2000
+
+
+def test_the_plan_fits_the_cpus_it_asks_for() -> None:
+    """8 + 8 generators and learners of 1 CPU and a buffer of 0 CPU fit 16 CPUs: the buffer's bundle (Ray refuses
+    an empty one) asks for no CPU (it asked 0.01 and the group waited forever on run.num_cpus=16)."""
+    plan = plan_placement(load_config(None, ["generators=8", "learners=8"]))
+    asked = sum(b.get("CPU", 0.0) for r in plan.roles for b in r.ray_bundles())
+    assert asked <= 16.0
+    assert all(any(v > 0 for v in b.values()) for r in plan.roles for b in r.ray_bundles())
+
+
+def test_an_unplaced_group_names_the_role_the_bundle_and_what_the_cluster_offers() -> None:
+    role = RolePlan("learners", 8, {"CPU": 1.0, "GPU": 0.0}, "pack")
+    msg = unplaced_message(role, 120.0, available={"CPU": 0.0, "memory": 8e9}, total={"CPU": 16.0, "memory": 2e10},
+                           nodes={"10.0.0.1": {"CPU": 16.0}})
+    assert "learners placement group" in msg and "8 bundle(s) of {CPU: 1}" in msg and "pack" in msg
+    assert "CPU 0 free of 16" in msg and "node 10.0.0.1: CPU 16" in msg
