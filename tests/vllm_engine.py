@@ -5,6 +5,10 @@ process, so each engine lives in its own and answers on a queue:
     ("layout", wire)   -> ("layout", None)           every worker switches to a new bucket layout
     ("receive", r)     -> ("received", [per worker])  receive_update (r: refresh_lm_head; None: the default)
     ("score", seqs)    -> ("scores", log-probs)        prompt log-prob of every token after the first
+    ("fetching", None) -> ("fetching", None)          start the fetch thread (a live generator's background receive)
+    ("heal", member)   -> ("healed", None)            what a heal does to a live generator: init_receiver under a new
+                                                      member id, then start_fetching (GeneratorActor.init_weight_sync)
+    ("apply", None)    -> ("applied", [per worker])   apply_update: load the newest version the fetch thread staged
     ("quit", None)     -> ("bye", None)
 first answer: ("epoch", [per worker]) once every worker joined the push group as gen0[.tp<r>].
 """
@@ -69,6 +73,19 @@ def engine_process(model_dir: str, port: int, layout: list, engine: dict[str, An
             elif cmd == "receive":
                 kwargs = {"timeout_s": timeout_s} if arg is None else {"timeout_s": timeout_s, "refresh_lm_head": arg}
                 out.put(("received", llm.collective_rpc("receive_update", kwargs=kwargs)))
+            elif cmd == "fetching":
+                llm.collective_rpc("start_fetching", kwargs={"timeout_s": timeout_s})
+                out.put(("fetching", None))
+            elif cmd == "heal":
+                llm.collective_rpc("init_receiver", args=(HOST, port, arg, layout, sync_backend, timeout_s,
+                                                          *receiver_args))
+                llm.collective_rpc("start_fetching", kwargs={"timeout_s": timeout_s})
+                out.put(("healed", None))
+            elif cmd == "apply":
+                try:
+                    out.put(("applied", llm.collective_rpc("apply_update", kwargs={"timeout_s": timeout_s})))
+                except Exception as exc:  # the test says what failed; the engine stays up for the next command
+                    out.put(("applied", f"{type(exc).__name__}: {exc}"))
             elif cmd == "score":
                 params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0)
                 outs = llm.generate([{"prompt_token_ids": s} for s in arg], params, use_tqdm=False)

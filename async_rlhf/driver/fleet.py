@@ -283,6 +283,9 @@ class Fleet:
             if gen in self.draining or gen not in self.runs or recent or now - since < cfg.sync.timeout_s:
                 continue
             self._lagging_since.pop(gen, None)
+            # its old member id leaves the push group at the next push (no push waits for the receiver it
+            # replaces, which the generator's worker cancels: issue 31)
+            self.cluster.generator_died(self.member_id(gen))
             self.incarnation[gen] += 1
             self._joined_at[gen] = time.monotonic()
             self.cluster.join_late(self.member_id(gen), handle)

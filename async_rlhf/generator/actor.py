@@ -144,11 +144,13 @@ class GeneratorActor(LoopPhases):
         sync = self.cfg.sync
         self.llm.collective_rpc("init_receiver", args=(host, port, member_id, layout, sync.backend, sync.timeout_s,
                                                        sync.receive_buffers, push_min_gbps(self.cfg)))
-        if late:
+        if not late:
+            self.llm.collective_rpc("join_push_group", args=(sync.timeout_s,))
+        elif not self._running.is_set():
             with self._lock:
                 self._awaiting_first = True  # the loop receives the learner's next version first
-        else:
-            self.llm.collective_rpc("join_push_group", args=(sync.timeout_s,))
+        # a live generator re-joining (Fleet.heal) keeps serving its version meanwhile: pausing it for the next
+        # version would never end while an evaluation or, in drain mode, a group waits for an engine step
         self.llm.collective_rpc("start_fetching", kwargs={"timeout_s": sync.timeout_s})
 
     def stop(self, drain: bool = False) -> None:

@@ -37,6 +37,9 @@ from async_rlhf.sync.layout import layout_from_wire
 from async_rlhf.sync.protocol import tp_member_id
 from async_rlhf.sync.receiver import Receiver, Staged
 
+STOP_FETCH_S = 10.0
+"""How long replacing a receiver waits for the old fetch thread to end (it sees the cancel within a slice)."""
+
 
 class LikeWorker(Protocol):
     """What this extension needs of the vLLM worker it is mixed into."""
@@ -81,6 +84,7 @@ def agreed_version(held: list[int | None]) -> int | None:
 class WeightSyncWorker:
     _receiver: Receiver | None = None
     _fetcher: threading.Thread | None = None
+    _fetch_rx: Receiver | None = None  # the receiver _fetcher runs on
     _fetched: threading.Condition | None = None
     _latest: Staged | None = None  # the newest version received whole and not yet applied
     _fetch_error: BaseException | None = None  # the fetch loop's last failure, handed to apply_update
@@ -96,8 +100,31 @@ class WeightSyncWorker:
         tensor-parallel engine joins as ``gen0.tp<r>``: every worker receives, see :func:`tp_member_id`)."""
         tp = self.parallel_config.tensor_parallel_size
         member_id = tp_member_id(member_id, self.rank % tp, tp)
-        self._receiver = Receiver(layout_from_wire(layout), member_id, host, port, backend, timeout_s,
-                                  buffers=buffers, min_gbps=min_gbps)
+        receiver = Receiver(layout_from_wire(layout), member_id, host, port, backend, timeout_s,
+                            buffers=buffers, min_gbps=min_gbps)
+        self._stop_fetching()  # a live worker re-joining (a heal): its old fetch thread must not run on
+        if self._fetched is None:  # one condition for the worker's life (an old fetch thread may still hold it)
+            self._fetched = threading.Condition()
+        with self._fetched:
+            self._receiver = receiver
+
+    def _stop_fetching(self: LikeWorker) -> None:
+        """Cancel the current receiver and end its fetch thread (bounded), forgetting whatever it staged: a
+        version staged in the old receiver's slots is never loaded through another receiver."""
+        old, thread = self._receiver, self._fetcher
+        if old is None:
+            return
+        old.cancel()
+        if self._fetched is not None:
+            with self._fetched:
+                self._fetched.notify_all()  # a fetch thread waiting out a hold sees the cancel now
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(STOP_FETCH_S)
+        if self._fetched is not None:
+            with self._fetched:
+                self._latest, self._fetch_error, self._held, self._kept = None, None, False, {}
+        if thread is None or not thread.is_alive():
+            old.close()  # else the thread closes nothing: it ends on its own at its next slice
 
     def join_push_group(self: LikeWorker, timeout_s: float | None = None) -> int:
         """Initial member: block until the sender forms the group; returns the epoch."""
@@ -107,32 +134,44 @@ class WeightSyncWorker:
         """Start the thread that receives every push for good (idempotent). A fetch that times out (no push
         for ``timeout_s``) simply waits again; a failed one is kept for :meth:`apply_update` to raise, and
         the next push is received as usual (the receiver joins again if it was dropped)."""
-        if self._fetcher is not None and self._fetcher.is_alive():
-            return
-        rx = self._get_receiver()
-        cond = self._fetched = threading.Condition()
+        if self._fetched is None:
+            self._fetched = threading.Condition()
+        cond = self._fetched
+        with cond:  # the engine loop and a Ray call (a heal) may both get here: one thread per receiver
+            rx = self._get_receiver()
+            if rx.cancelled or (self._fetcher is not None and self._fetcher.is_alive() and self._fetch_rx is rx):
+                return
+            self._start_fetch_thread(rx, cond, timeout_s)
+
+    def _start_fetch_thread(self: LikeWorker, rx: Receiver, cond: threading.Condition,
+                            timeout_s: float | None) -> None:
 
         def loop() -> None:
-            while True:
+            while not rx.cancelled:
                 try:
                     staged = rx.fetch(timeout_s, keep_staged=True)
                 except SyncTimeout:
                     continue
                 except BaseException as exc:  # handed to apply_update, in the engine's thread
                     with cond:
+                        if rx.cancelled or self._receiver is not rx:
+                            return  # replaced (a heal): its failures are not the new receiver's
                         self._fetch_error = exc
                         cond.notify_all()
                     time.sleep(0.05)
                     continue
                 with cond:
+                    if rx.cancelled or self._receiver is not rx:
+                        return  # replaced meanwhile: what it staged is never loaded
                     self._latest, self._fetch_error = staged, None
                     if self._held:  # keep it loadable, and start no fetch (no slot is reused) until released
                         self._kept[staged.version] = staged
                     cond.notify_all()
                     hold = self._holds  # a new hold before this thread woke up is not this one's to wait out
-                    cond.wait_for(lambda: not self._held or self._holds != hold, timeout=rx.timeout_s)
+                    cond.wait_for(lambda: not self._held or self._holds != hold or rx.cancelled,
+                                  timeout=rx.timeout_s)
 
-        self._fetcher = threading.Thread(target=loop, name="weight-fetch", daemon=True)
+        self._fetcher, self._fetch_rx = threading.Thread(target=loop, name="weight-fetch", daemon=True), rx
         self._fetcher.start()
 
     def staged_version(self: LikeWorker) -> int | None:
@@ -200,6 +239,11 @@ class WeightSyncWorker:
                     if staged is not None and self._latest is staged:
                         self._latest = None  # a newer one stays staged for the next swap
                 error, self._fetch_error = self._fetch_error, None
+                if staged is not None:  # reserve its slot before the fetch thread can post a receive into it
+                    try:
+                        rx.claim(staged)
+                    except SyncError as exc:
+                        staged, error = None, exc
             finally:
                 self._held, self._kept = False, {}
                 self._fetched.notify_all()
@@ -214,7 +258,7 @@ class WeightSyncWorker:
             if refresh_lm_head:
                 refresh_tied_lm_head(runner.get_model())
 
-        got = rx.apply(staged, load)
+        got = rx.apply(staged, load)  # releases the claim
         return {"version": got.version, "epoch": got.epoch, **got.metrics, "sync/coalesced": float(rx.coalesced),
                 "sync/pause_s": time.perf_counter() - t0}
 

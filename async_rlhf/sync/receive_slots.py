@@ -8,18 +8,22 @@ thread and the thread that applies (the engine loop) under one condition::
                                                           '--a newer version staged (coalesced)--> free
 
 "receiving" is the receiver's to know (the slot of its posted receives): it passes that slot in.
+
+Each slot carries the version it was last filled with (None once receives are posted into it, or before any):
+:meth:`ReceiveSlots.claim` refuses to load a slot that does not hold the version asked for, so an apply that
+races a receive into the same slot, or a :class:`Staged` handed to another receiver, never loads wrong bytes.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 
-from async_rlhf.sync.group import SyncTimeout, left
+from async_rlhf.sync.group import SyncError, SyncTimeout, left
 from async_rlhf.sync.layout import Bucket
 from async_rlhf.sync.tensors import arena_offsets, named_views
 from async_rlhf.sync.transport import Transport
@@ -49,6 +53,7 @@ class ReceiveSlots:
         self._cond = threading.Condition()
         self._staged: int | None = None  # the newest version received and not yet taken by apply
         self._applying: int | None = None
+        self._filled: list[int | None] = [None] * n  # the version each slot holds whole (None: none)
         self.coalesced = 0
         """Versions received and never applied because a newer one arrived first."""
 
@@ -77,43 +82,73 @@ class ReceiveSlots:
             else:
                 yield from views
 
-    def free(self, keep_staged: bool, posted: int | None) -> int | None:
+    def free(self, keep_staged: bool, posted: int | None, reserve: bool = True) -> int | None:
         """A slot to receive into: not being applied, not ``posted`` (holding posted receives) and, with
         ``keep_staged``, not holding the newest staged version. Without it the staged slot is taken last
-        (superseded)."""
+        (superseded). ``reserve``: the caller posts receives into it now, so it no longer holds a version."""
         with self._cond:
             busy = {self._applying, posted}
             free = [s for s in range(self.n) if s not in busy and s != self._staged]
-            if free:
-                return free[0]
-            if not keep_staged and self._staged is not None and self._staged not in busy:
-                return self._staged
-            return None
+            slot = free[0] if free else None
+            if slot is None and not keep_staged and self._staged is not None and self._staged not in busy:
+                slot = self._staged
+            if slot is not None and reserve:
+                self._filled[slot] = None
+                if self._staged == slot:
+                    self._staged = None
+            return slot
 
-    def wait_for_free(self, deadline: float) -> None:
+    def wait_for_free(self, deadline: float, stop: Callable[[], bool] | None = None) -> None:
         """Block (the fetch thread, no receives posted) until a slot can take the next push without dropping
-        the staged version."""
+        the staged version, or until ``stop()`` (asked every 50 ms) says the receiver is closing."""
         with self._cond:
-            while self.free(keep_staged=True, posted=None) is None:
+            while self.free(keep_staged=True, posted=None, reserve=False) is None:
                 if left(deadline) <= 0:
                     raise SyncTimeout("no free receive slot: the staged version was not applied in time")
-                self._cond.wait(min(left(deadline), 0.5))
+                if stop is not None and stop():
+                    return
+                self._cond.wait(min(left(deadline), 0.05 if stop is not None else 0.5))
 
-    def staged_into(self, slot: int) -> None:
-        """A version arrived whole in ``slot``: it is the newest staged one (the one it replaces is coalesced)."""
+    def staged_into(self, slot: int, version: int) -> None:
+        """``version`` arrived whole in ``slot``: it is the newest staged one (the one it replaces is coalesced)."""
         with self._cond:
             if self._staged is not None and self._staged != slot:
                 self.coalesced += 1  # never applied: a newer version is here
             self._staged = slot
+            self._filled[slot] = version
             self._cond.notify_all()
 
-    @contextlib.contextmanager
-    def applying(self, slot: int) -> Iterator[None]:
-        """``slot`` is being loaded meanwhile: no receive goes into it; free again afterwards."""
+    def holds(self, slot: int) -> int | None:
+        """The version ``slot`` holds whole (None: none, or receives are posted into it)."""
         with self._cond:
+            return self._filled[slot]
+
+    def claim(self, slot: int, version: int) -> None:
+        """Mark ``slot`` as being applied (no receive is posted into it until :meth:`release`) if it holds
+        ``version``; raises :class:`SyncError` otherwise (a receive reused it, or it never held that version)."""
+        with self._cond:
+            if self._applying == slot:
+                return
+            if not 0 <= slot < self.n or self._filled[slot] != version:
+                held = self._filled[slot] if 0 <= slot < self.n else None
+                raise SyncError(f"receive slot {slot} no longer holds version {version} (it holds {held}): "
+                                "not loading it")
             self._applying = slot
             if self._staged == slot:
                 self._staged = None
+
+    def release(self, slot: int) -> None:
+        """End :meth:`claim` of ``slot`` (loaded, or given up)."""
+        with self._cond:
+            if self._applying == slot:
+                self._applying = None
+            self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def applying(self, slot: int, version: int) -> Iterator[None]:
+        """``slot`` is being loaded meanwhile (claimed first if it is not yet; see :meth:`claim`): no receive
+        goes into it; free again afterwards."""
+        self.claim(slot, version)
         try:
             yield
         finally:

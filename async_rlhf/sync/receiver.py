@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -63,7 +64,7 @@ from async_rlhf.sync.receive_slots import ReceiveSlots, Staged
 from async_rlhf.sync.tensors import check_cut, layout_digest
 from async_rlhf.sync.transport import Transport, make_transport
 
-__all__ = ["Excluded", "Load", "ReceiveError", "Received", "Receiver", "Staged"]
+__all__ = ["Cancelled", "Excluded", "Load", "ReceiveError", "Received", "Receiver", "Staged"]
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +81,10 @@ Load = Callable[[Iterator], object]
 class Excluded(SyncError):
     """This member was dropped from the push group (it missed a deadline, or a restarted process took
     over its id). The next ``join`` or ``receive`` asks to join again, as a new incarnation."""
+
+
+class Cancelled(SyncError):
+    """This receiver was cancelled (:meth:`Receiver.cancel`: its owner replaced it); it receives nothing more."""
 
 
 class ReceiveError(SyncError):
@@ -105,6 +110,7 @@ class Receiver:
         :class:`Transport`; the receive slots live on its device. ``min_gbps``: once a push starts, its transfer
         may take ``timeout_s`` plus the arena to every member at this rate (as the sender's deadline)."""
         self._slots = ReceiveSlots(buffers)
+        self._cancelled = threading.Event()
         # a version waits here in host memory (NCCL: streamed through a bounded CUDA buffer, see transport.py)
         self.transport = backend if isinstance(backend, Transport) else make_transport(backend, host_arena=True)
         backend = self.transport.name
@@ -133,6 +139,31 @@ class Receiver:
     @property
     def member_id(self) -> str:
         return self.me.id
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def cancel(self) -> None:
+        """Stop receiving, from any thread: a :meth:`fetch` under way (or the next one) raises :class:`Cancelled`
+        within about a tenth of a second, without joining the group again. For an owner that replaces this
+        receiver with another one (a generator healed under a new member id)."""
+        self._cancelled.set()
+
+    def _check_cancelled(self) -> None:
+        if self._cancelled.is_set():
+            raise Cancelled(f"member {self.me.id}: this receiver was cancelled")
+
+    def _wait_keys(self, keys: list[str], deadline: float, what: str) -> None:
+        """:func:`store_wait` in slices, so that :meth:`cancel` is seen within one."""
+        while True:
+            self._check_cancelled()
+            try:
+                store_wait(self.store, keys, min(deadline, time.monotonic() + IDLE_SLICE_S * 2), what)
+                return
+            except SyncTimeout:
+                if left(deadline) <= 0:
+                    raise
 
     @property
     def coalesced(self) -> int:
@@ -164,17 +195,18 @@ class Receiver:
         returns the epoch. A joiner must then call :meth:`receive` promptly: the push that admitted it
         is already on its way."""
         deadline = time.monotonic() + (timeout_s or self.timeout_s)
+        self._check_cancelled()
         if not self._queued:
             self._ask_to_join()
         key = P.admit_key(self.me)
-        store_wait(self.store, [key], deadline, f"admission of {self.me.id} to the push group (is the sender pushing?)")
+        self._wait_keys([key], deadline, f"admission of {self.me.id} to the push group (is the sender pushing?)")
         self._queued = False
         epoch = int(P.decode(self.store.get(key))["epoch"])
         self._enter(epoch, deadline)
         return epoch
 
     def _enter(self, epoch: int, deadline: float) -> None:
-        store_wait(self.store, [P.members_key(epoch)], deadline, f"the member list of epoch {epoch}")
+        self._wait_keys([P.members_key(epoch)], deadline, f"the member list of epoch {epoch}")
         members = P.decode_members(self.store.get(P.members_key(epoch)))
         self.transport.retire(self._pg, self._works)
         self._pg, self._works, self.epoch, self._k, self._posted = None, [], None, 0, None
@@ -185,7 +217,7 @@ class Receiver:
         rank = members.index(self.me) + 1
         self._world = len(members) + 1
         self.store.set(P.ready_key(epoch, self.me.id), self.me.nonce)
-        store_wait(self.store, [P.go_key(epoch)], deadline, f"the sender to open epoch {epoch}")
+        self._wait_keys([P.go_key(epoch)], deadline, f"the sender to open epoch {epoch}")
         self._pg = self.transport.open(dist.PrefixStore(P.pg_prefix(epoch), self.store), rank, len(members) + 1,
                                        self.timeout_s, ["the sender", *(m.id for m in members)])
         log.info("member %s entered push group epoch %d as rank %d of %d", self.me.id, epoch, rank,
@@ -208,10 +240,12 @@ class Receiver:
         if self.epoch is None:
             self.join(left(deadline))
         while True:
+            self._check_cancelled()
             e, k = self.epoch, self._k
             expect = self._expect
             if keep_staged and self._posted is None:
-                self._slots.wait_for_free(deadline)
+                self._slots.wait_for_free(deadline, lambda: self._cancelled.is_set())
+                self._check_cancelled()
             self.prepost(keep_staged)  # the fast path: no store header
             header = self._next_header(e, k, deadline)
             if header is REJOINED:
@@ -262,7 +296,7 @@ class Receiver:
         if header is None:
             self.chunks = expect[1]
         self._expect = (e, self.chunks, self.arena(slot), self.layout_digest)
-        self._slots.staged_into(slot)
+        self._slots.staged_into(slot, version)
         return Staged(version, e, k, slot, {"sync/wait_header_s": t_header - t0, "sync/preposted": float(preposted),
                                       "sync/transfer_s": time.perf_counter() - t_header})
 
@@ -295,6 +329,8 @@ class Receiver:
         aborted = P.abort_key(e, k)
 
         def abort() -> str | None:
+            if self._cancelled.is_set():
+                return "this receiver was cancelled"
             return "the sender aborted this push" if self.store.check([aborted]) else None
 
         return abort
@@ -307,13 +343,15 @@ class Receiver:
         """What push k of epoch e is. Pre-posted (fast path): None once its header arrived on the group, or
         the store's move to the next epoch. Otherwise: the store's header, whichever it is."""
         if self._posted is None:
-            store_wait(self.store, [P.header_key(e, k)], deadline, f"push {k} of epoch {e} (is the sender pushing?)")
+            self._wait_keys([P.header_key(e, k)], deadline, f"push {k} of epoch {e} (is the sender pushing?)")
             return self._store_header(e, k)
         moved: list[P.Header] = []
         aborted: list[str] = []
 
         def next_epoch() -> str | None:  # between slices: did the sender open a new epoch instead of pushing,
-            header = self._store_header(e, k)  # or give up on push k (another member died under it)?
+            if self._cancelled.is_set():  # or give up on push k (another member died under it)?
+                return "this receiver was cancelled"
+            header = self._store_header(e, k)
             if header is not None and header.next_epoch is not None:
                 moved.append(header)
                 return f"the sender opened epoch {header.next_epoch}"
@@ -329,6 +367,7 @@ class Receiver:
         except SyncTimeout:
             raise  # no push in time: the receives stay posted for the next fetch
         except SyncError as exc:
+            self._check_cancelled()  # replaced by its owner: never join again
             # the sender retired the group (a new epoch), or the receives outlived the group's own timeout
             header = moved[0] if moved else self._store_header(e, k)
             if header is not None and header.next_epoch is not None:
@@ -375,8 +414,17 @@ class Receiver:
         and its next version overwrites every tensor.
         """
         t0 = time.perf_counter()
-        with self._slots.applying(staged.slot):
+        with self._slots.applying(staged.slot, staged.version):  # never a slot that does not hold that version
             return self._load(staged, load, per_bucket, t0)
+
+    def claim(self, staged: Staged) -> None:
+        """Reserve ``staged``'s slot for :meth:`apply` now (no receive goes into it meanwhile); raises
+        :class:`SyncError` if that slot no longer holds its version. :meth:`apply` releases it, and so does
+        :meth:`unclaim` for a caller that gives up."""
+        self._slots.claim(staged.slot, staged.version)
+
+    def unclaim(self, staged: Staged) -> None:
+        self._slots.release(staged.slot)
 
     def _load(self, staged: Staged, load: Load, per_bucket: bool, t0: float) -> Received:
         e, k = staged.epoch, staged.k
