@@ -157,6 +157,9 @@ class RunConfig(Section):
     stall_timeout_s: NonNegative = 300.0
     """No learner step for this many seconds stops the run with what every role was doing and the likely
     cause (0: never)."""
+    max_logp_mismatch: NonNegative = 0.1
+    """Stop the run when a step's mean |log p_learner - log p_generator| over tokens of the learner's own version
+    exceeds this many nats (rollout/logp_mismatch_mean; ~1e-6 in fp32; 0: never)."""
     generator_max_restarts: Count = 3
     """Times Ray restarts a generator whose process died (its in-flight prompts are re-issued)."""
     network: Literal["auto", "loopback", "node"] = "auto"

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from async_rlhf.config import Config
+from async_rlhf.driver.agreement import agreement_summary, mismatch_failure, mismatch_note
 from async_rlhf.driver.cluster import Cluster, heldout_accuracy, resolve_model
 
 log = logging.getLogger(__name__)
@@ -66,7 +67,7 @@ def stop_stalled(cluster: Cluster, gen_stats: list[dict[str, Any]], buf: dict[st
 def _progress_line(rec: dict[str, Any], steps: int, acc: str, tok_s: float, depth: int, elapsed: float) -> str:
     return (f"step {rec['step']:>4}/{steps} | v{rec['version']:<4} | reward {rec['rollout/reward_mean']:.3f} | "
             f"{acc} | gen {tok_s:7.0f} tok/s | staleness {rec['staleness/mean']:.2f} | "
-            f"buffer {depth:>3} | {elapsed:5.0f}s")
+            f"buffer {depth:>3} | {elapsed:5.0f}s{mismatch_note(rec)}")
 
 
 def train(cfg: Config, cluster: Cluster, run_dir: Path, resume: Path | None = None,
@@ -156,6 +157,11 @@ def train(cfg: Config, cluster: Cluster, run_dir: Path, resume: Path | None = No
                 progress.before_write(rec)
                 writer.write(rec, rec["step"])
                 progress.after_write(rec)
+                disagreement = mismatch_failure(rec, cfg.run.max_logp_mismatch)  # written first, then stopped on
+                if disagreement is not None:
+                    from async_rlhf.driver.fleet import RunFailure
+
+                    raise RunFailure(disagreement)
             records += new
             if new:
                 last_progress = now
@@ -329,6 +335,8 @@ def run(cfg: Config, address: str | None = None, cache_root: Path = Path("runs/c
         "groups_generated": figures["groups_generated"],
         "steps": int(records[-1]["step"]) if records else figures["first_step"],
         "steps_configured": cfg.train.steps,
+        # the training/inference agreement monitor (learner/agreement.py) over the whole run
+        **agreement_summary(records),
         "stop_reason": figures["stop_reason"],
         "final_version": records[-1]["version"] if records else 0,
         "policy_dir": policy_dir,

@@ -127,6 +127,8 @@ class LearnerActor:
         self.timeline = Timeline(f"learner {rank}")
         self._trained_by_step: dict[int, dict[str, list[str]]] = {}
         self._stop_at: int | None = None
+        self._agreement: Any = None
+        """The training/inference agreement of the current step (learner/agreement.py), made by ``_update``."""
         startup.phase(phases.STARTED)
 
     def ready(self) -> int:
@@ -217,6 +219,7 @@ class LearnerActor:
         from async_rlhf.buffer.build import make_client
         from async_rlhf.buffer.client import with_retry
         from async_rlhf.checkpoint_layout import staging_dir
+        from async_rlhf.learner.agreement import all_reduce_max, all_reduce_sum
         from async_rlhf.learner.batch import collate
         from async_rlhf.learner.checkpoint_trigger import CheckpointTrigger
         from async_rlhf.learner.objectives import correction_saturated
@@ -267,6 +270,10 @@ class LearnerActor:
                         "staleness/max": int(stale.max().item()) if stale.numel() else 0,
                         **m, **push,
                     }
+                    agreement = self._agreement  # the training/inference agreement monitor of this step
+                    if self.world_size > 1:
+                        agreement.reduce(all_reduce_sum, all_reduce_max)  # token-weighted over every rank
+                    record.update(agreement.metrics())
                     if self.world_size > 1:
                         reduce_across_ranks(record)
                 if ckpt.due(self.step) or _ == steps - 1 or self.step == self._stop_at:  # due(): on every rank
@@ -304,6 +311,7 @@ class LearnerActor:
         """
         import torch
 
+        from async_rlhf.learner.agreement import Agreement
         from async_rlhf.learner.microbatch import (
             ForwardOptions,
             PolicyStep,
@@ -315,6 +323,9 @@ class LearnerActor:
         )
 
         obj = self.cfg.train.objective
+        # the agreement monitor (learner/agreement.py): right after a push the weights are exactly that version
+        agreement = self._agreement = Agreement(self.version if self.step % self.cfg.train.push_every == 0 else None)
+        agreement.observe_sampled(batch.behav_logp, batch.loss_mask)
         if self.cfg.train.algorithm == "online_dpo":
             sizes = group_sizes or [batch.input_ids.shape[0]]
             return online_dpo_update(self.engine, self.ref_model, self.cfg, batch, sizes, self._phase,
@@ -330,6 +341,7 @@ class LearnerActor:
         if k > 1 and obj.kind not in ("ppo", "decoupled_ppo_interp"):
             with self._phase("forward_backward"):
                 prox_all = logprobs_no_grad(self.engine, batch, every, opts)
+            agreement.observe(prox_all, batch.behav_logp, batch.versions, batch.loss_mask)
         adv = batch.advantages.unsqueeze(1).expand_as(batch.behav_logp)
         targets = None
         if self.ppo is not None:
@@ -347,7 +359,9 @@ class LearnerActor:
                 plan = [[int(idx[i]) for i in part] for part in parts]
                 if reduce is not None:  # every rank runs as many backwards (ZeRO-2/3 reduce in each)
                     plan += [[] for _ in range(max_over_ranks(len(plan)) - len(plan))]
-                step = PolicyStep(adv, prox_all, self.version + j / k, self.version)
+                # the first minibatch's forwards run at the step's starting weights (unless prox_all did)
+                step = PolicyStep(adv, prox_all, self.version + j / k, self.version,
+                                  agreement if j == 0 and prox_all is None else None)
                 m = accumulate_policy_grads(self.engine, batch, plan, step, obj, norm, opts,
                                             engine_backward(self.engine), self.ref_model)
             self._optimizer_step()

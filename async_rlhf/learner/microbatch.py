@@ -152,6 +152,9 @@ class PolicyStep:
     """The proximal log-probs (None: the current ones, detached: one minibatch per step)."""
     current_version: float
     prox_version: int
+    agreement: Any = None
+    """An :class:`~async_rlhf.learner.agreement.Agreement` fed every micro-batch's log-probs (only when these
+    forwards run at the step's starting weights: the first minibatch)."""
 
 
 def accumulate_policy_grads(model: Any, batch: Any, plan: list[list[int]], step: PolicyStep, obj: Any,
@@ -173,6 +176,8 @@ def accumulate_policy_grads(model: Any, batch: Any, plan: list[list[int]], step:
         mask = batch.loss_mask[idx, cols] if rows else torch.zeros(1, width - 1, device=ids.device)
         logp, ent = forward_logprobs(model, ids, attn, opts, entropy_mask=mask)
         prox = step.prox[idx, cols] if step.prox is not None else logp.detach()
+        if step.agreement is not None and rows:
+            step.agreement.observe(logp, batch.behav_logp[idx, cols], batch.versions[idx, cols], mask)
         loss, m = policy_loss(logp, prox, batch.behav_logp[idx, cols], step.advantages[idx, cols], mask, obj,
                               token_versions=batch.versions[idx, cols], current_version=step.current_version,
                               prox_version=step.prox_version, norm=norm)

@@ -73,6 +73,21 @@ def test_pushed_weights_match_learner_in_vllm(finished_run: dict[str, Any]) -> N
             assert diff < 1e-4, f"vLLM and the learner disagree by {diff} on {seq}"
 
 
+def test_the_agreement_monitor_reads_fp32_kernel_noise_on_same_version_tokens(finished_run: dict[str, Any]) -> None:
+    """Every step's record has the training/inference agreement monitor (learner/agreement.py); on tokens of the
+    learner's own version, the learner's log-probs equal the generators' to fp32 kernel noise."""
+    records = finished_run["figures"]["records"]
+    for r in records:
+        assert r["rollout/logp_mismatch_mean"] < 1e-3 and r["rollout/logp_mismatch_max"] < 1e-3, r
+        assert 0 <= r["rollout/same_version_tokens"] <= r["rollout/tokens"]
+        assert r["rollout/sampled_logp_mean"] < 0 and r["rollout/is_ratio_mean"] > 0
+    same = sum(r["rollout/same_version_tokens"] for r in records)
+    assert same > 0, "no step trained on tokens of its own version"
+    print(f"same-version tokens {same} of {sum(r['rollout/tokens'] for r in records)}; mismatch mean "
+          f"{max(r['rollout/logp_mismatch_mean'] for r in records):.2e} (worst step), max "
+          f"{max(r['rollout/logp_mismatch_max'] for r in records):.2e}")
+
+
 def test_trained_samples_respect_max_staleness(finished_run: dict[str, Any]) -> None:
     records = finished_run["figures"]["records"]
     assert max(r["staleness/max"] for r in records) <= MAX_STALENESS

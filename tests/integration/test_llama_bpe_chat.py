@@ -138,6 +138,11 @@ def test_vllm_stops_on_the_generation_config_and_agrees_with_the_learner(chat_ru
     # a random model emits <|end|> (1 of 400 tokens) in ~3% of its ~300 completions here (10 in a run we
     # looked at): vLLM stopped there although the tokenizer's eos is </s>
     assert any(c["finish_reason"] == "stop" and c["completion_ids"][-1] == stops[0] for c in sampled)
+    summary = json.loads((chat_run["run_dir"] / "summary.json").read_text())
+    # the agreement monitor: at staleness 0 every trained token is of the learner's own version
+    assert summary["same_version_tokens"] == sum(r["rollout/tokens"] for r in chat_run["records"]) > 0
+    assert summary["logp_mismatch_mean"] < 1e-3 and summary["logp_mismatch_max"] < 1e-3, summary
+    assert summary["sampled_logp_mean"] < 0
     for r in chat_run["records"]:
         assert r["staleness/max"] == 0
         # exp(learner - vLLM) on every trained token: the same weights, the same log-probs (float32)
