@@ -90,3 +90,13 @@ def test_main_runs_each_bench_and_writes_one_json(all_bench: Any, tmp_path: Path
     assert (good["name"], good["holds"], good["target"], good["error"]) == ("good", True, "fast", None)
     assert bad["holds"] is False and "measured 0 events" in bad["error"] and bad["rows"] == []
     assert sys.executable  # the benches ran with this interpreter
+
+
+def test_weight_sync_states_its_quick_target_and_reads_the_flat_median(load_bench: Any) -> None:
+    ws = load_bench("weight_sync.py")
+    rows = [{"storage": "flat", "ratio": x, "pause_s": 0.5, "raw_s": 1.0} for x in (0.82, 0.85, 0.95)]
+    rows.append({"storage": "separate", "ratio": 0.5, "pause_s": 0.5, "raw_s": 1.0})  # reported, not held
+    assert ws.summary_target(rows, quick=True) == (True, "target holds: flat median ratio 0.85 over 3 rows, "
+                                                         "largest pause / raw 0.50")
+    assert ws.summary_target(rows, quick=False)[0] is False
+    assert "0.8, not 0.9" in ws.target_text(True) and "0.8" not in ws.target_text(False)
