@@ -317,6 +317,7 @@ class LearnerActor:
             PolicyStep,
             accumulate_policy_grads,
             engine_backward,
+            in_step,
             logprobs_no_grad,
             plan_micro_batches,
             step_norm,
@@ -338,9 +339,11 @@ class LearnerActor:
         k = min(self.cfg.train.minibatches, n)
         every = torch.arange(n)
         prox_all = None
+        # ZeRO-3 gathers the parameters in every forward: ranks agree on the count of no-grad forwards too
+        agree = max_over_ranks if self.world_size > 1 and lc.zero_stage == 3 else None
         if k > 1 and obj.kind not in ("ppo", "decoupled_ppo_interp"):
             with self._phase("forward_backward"):
-                prox_all = logprobs_no_grad(self.engine, batch, every, opts)
+                prox_all = logprobs_no_grad(self.engine, batch, every, opts, agree)
             agreement.observe(prox_all, batch.behav_logp, batch.versions, batch.loss_mask)
         adv = batch.advantages.unsqueeze(1).expand_as(batch.behav_logp)
         targets = None
@@ -356,9 +359,9 @@ class LearnerActor:
             with self._phase("forward_backward"):
                 norm = step_norm(batch.loss_mask[idx], self.cfg.generator.max_new_tokens, self.world_size, reduce)
                 parts = plan_micro_batches(batch.attention_mask[idx].sum(dim=1).tolist(), opts.max_tokens, opts.pack)
-                plan = [[int(idx[i]) for i in part] for part in parts]
-                if reduce is not None:  # every rank runs as many backwards (ZeRO-2/3 reduce in each)
-                    plan += [[] for _ in range(max_over_ranks(len(plan)) - len(plan))]
+                # every rank runs as many forwards and backwards (ZeRO-2/3 reduce in each backward)
+                plan = in_step([[int(idx[i]) for i in part] for part in parts],
+                               max_over_ranks if reduce is not None else None)
                 # the first minibatch's forwards run at the step's starting weights (unless prox_all did)
                 step = PolicyStep(adv, prox_all, self.version + j / k, self.version,
                                   agreement if j == 0 and prox_all is None else None)

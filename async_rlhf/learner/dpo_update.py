@@ -14,7 +14,8 @@ def online_dpo_update(engine: Any, ref_model: Any, cfg: Any, batch: Any, group_s
 
     Only the rows that are in a pair are forwarded; a batch without any pair (every group a tie) still
     takes one zero-gradient step. ``max_over_ranks`` (several data-parallel ranks): every rank takes as many
-    steps as the rank with the most, the extra ones zero-gradient, so the ranks' collectives stay in lockstep.
+    steps as the rank with the most, the extra ones zero-gradient, and runs every forward of a step even with no
+    pair in its chunk, so the ranks' collectives (ZeRO-3 gathers one in each forward) stay in lockstep.
     """
     import torch
 
@@ -41,12 +42,15 @@ def online_dpo_update(engine: Any, ref_model: Any, cfg: Any, batch: Any, group_s
             engine.backward(loss)
         optimizer_step()
         m["optim/loss"] = float(loss.item())
-        if chunk:  # the margin on the same pairs after the step: the step's own progress (a no-grad forward)
+        # the margin on the same pairs after the step: the step's own progress (a no-grad forward); with several
+        # ranks a chunk without pairs forwards too, since a ZeRO-3 forward gathers the parameters on every rank
+        if chunk or max_over_ranks is not None:
             with torch.no_grad():
                 after = token_logprobs(engine(input_ids=ids, attention_mask=attn).logits, ids)
+            if chunk:
                 _, m_after = online_dpo_loss(after, ref_logp, batch.loss_mask[rows],
                                              [(local[c], local[r]) for c, r in chunk], dpo.beta)
-            m["dpo/margin_after_step"] = m_after["dpo/reward_margin"]
+                m["dpo/margin_after_step"] = m_after["dpo/reward_margin"]
         per_step.append(m)
     merged = {key: sum(m.get(key, 0.0) for m in per_step) / len(per_step) for key in per_step[0]}
     merged["dpo/pairs"] = float(len(pairs))

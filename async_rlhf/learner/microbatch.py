@@ -105,12 +105,32 @@ def _rows(batch: Any, rows: list[int]) -> tuple[Tensor, int]:
     return idx, int(batch.attention_mask[idx].sum(dim=1).max().item())
 
 
+def in_step(plan: list[list[int]], agree: Callable[[int], int] | None) -> list[list[int]]:
+    """``plan`` followed by empty entries up to ``agree(len(plan))`` (the largest count of any rank), so every
+    rank runs as many forwards: under ZeRO-3 each forward gathers the parameters collectively, and a rank
+    with fewer would leave the others waiting in a gather (a hang). ``agree=None``: ``plan`` as it is."""
+    if agree is None:
+        return plan
+    return plan + [[] for _ in range(agree(len(plan)) - len(plan))]
+
+
 @torch.no_grad()
-def logprobs_no_grad(model: Any, batch: Any, rows: Tensor, opts: ForwardOptions) -> Tensor:
-    """[len(rows), L-1] log-probs of ``rows`` without gradient, micro-batched like a training step."""
+def logprobs_no_grad(model: Any, batch: Any, rows: Tensor, opts: ForwardOptions,
+                     agree: Callable[[int], int] | None = None) -> Tensor:
+    """[len(rows), L-1] log-probs of ``rows`` without gradient, micro-batched like a training step.
+
+    ``agree`` (a ZeRO-3 ``model`` on several ranks: ``ranks.max_over_ranks``) makes this rank run as many
+    forwards as the rank with the most micro-batches (:func:`in_step`); an extra one forwards the shortest
+    row and is thrown away.
+    """
     out = torch.zeros(len(rows), batch.input_ids.shape[1] - 1, device=batch.input_ids.device)
     lengths = batch.attention_mask[rows].sum(dim=1).tolist()
-    for part in plan_micro_batches(lengths, opts.max_tokens, opts.pack):
+    for part in in_step(plan_micro_batches(lengths, opts.max_tokens, opts.pack), agree):
+        if not part:
+            shortest = int(batch.attention_mask.sum(dim=1).argmin())
+            idx, width = _rows(batch, [shortest])
+            forward_logprobs(model, batch.input_ids[idx, :width], batch.attention_mask[idx, :width], opts)
+            continue
         idx, width = _rows(batch, [int(rows[i]) for i in part])
         logp, _ = forward_logprobs(model, batch.input_ids[idx, :width], batch.attention_mask[idx, :width], opts)
         out[torch.tensor(part), :width - 1] = logp
