@@ -220,7 +220,6 @@ class LearnerActor:
         from async_rlhf.buffer.client import with_retry
         from async_rlhf.checkpoint_layout import staging_dir
         from async_rlhf.learner.agreement import all_reduce_max, all_reduce_sum
-        from async_rlhf.learner.batch import collate
         from async_rlhf.learner.checkpoint_trigger import CheckpointTrigger
         from async_rlhf.learner.objectives import correction_saturated
 
@@ -244,7 +243,7 @@ class LearnerActor:
                         want = share - len(groups)
                         groups += with_retry(lambda: client.get(want, self.version, wait_s=2.0), "get", patience)
                 with self._phase("collate"):
-                    batch = self.placer.batch(collate(groups, self.pad_id, cfg.train.advantage))
+                    batch = self.collate(groups)
                 m = self._update(batch, [len(g.samples) for g in groups])
                 with self._phase("ack"):
                     skipped = with_retry(lambda: client.ack_consumed(batch.group_ids), "ack", patience)
@@ -299,6 +298,14 @@ class LearnerActor:
     def timeline_dict(self) -> dict[str, Any]:
         return self.timeline.to_dict()
 
+    def collate(self, groups: list[Any]) -> Any:
+        """This rank's groups as one padded batch on its device, with their advantages (batch statistics over
+        the whole step: every rank's groups)."""
+        from async_rlhf.learner.batch import collate
+
+        reduce = sum_over_ranks if self.world_size > 1 else None
+        return self.placer.batch(collate(groups, self.pad_id, self.cfg.train.advantage, reduce))
+
     def _update(self, batch: Any, group_sizes: list[int] | None = None) -> dict[str, float]:
         """``train.minibatches`` optimizer steps on one batch; returns metrics averaged over them (max of maxima).
 
@@ -351,7 +358,8 @@ class LearnerActor:
             ref = self.ref_model
             with self._phase("forward_backward"):
                 targets = self.ppo.prepare(batch, (lambda: logprobs_no_grad(ref, batch, every, opts))
-                                           if ref is not None else None)
+                                           if ref is not None else None,
+                                           sum_over_ranks if self.world_size > 1 else None)
             adv = targets.advantages
         reduce = sum_over_ranks if self.world_size > 1 else None
         per_step: list[dict[str, float]] = []

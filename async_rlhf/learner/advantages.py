@@ -6,13 +6,44 @@ completion; :func:`broadcast_to_tokens` spreads it over the completion's trained
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
 ESTIMATORS: tuple[str, ...] = ("grpo", "dr_grpo", "rloo", "reinforce_pp")
 
+Reducer = Callable[[Tensor], None]
+"""Sums a small float64 tensor over the learner's data-parallel ranks, in place (``ranks.sum_over_ranks``)."""
 
-def group_advantages(rewards: Tensor, estimator: str, eps: float = 1e-6) -> Tensor:
+
+def batch_moments(x: Tensor, mask: Tensor | None = None, reduce: Reducer | None = None) -> tuple[Tensor, Tensor]:
+    """Mean and population variance (float64 scalars) of ``x`` over the positions where ``mask > 0`` (weighted
+    by ``mask``; every position without it), over the whole step when ``reduce`` sums across the ranks.
+
+    One all-reduce of (weight, sum, sum of squares) in float64, so ranks holding parts of a step get the
+    statistics of all of it: the advantages then do not depend on how many ranks share the step. Entries
+    under ``mask == 0`` are never read (they may be inf or nan); nothing selected gives (0, 0).
+    """
+    x64 = x.detach().to(torch.float64)
+    zero = torch.zeros((), dtype=torch.float64, device=x.device)
+    if mask is None:
+        w = torch.ones_like(x64)
+    else:
+        valid = mask > 0
+        w = torch.where(valid, mask.to(torch.float64), zero)
+        x64 = torch.where(valid, x64, zero)
+    sums = torch.stack([w.sum(), (w * x64).sum(), (w * x64.square()).sum()])
+    if reduce is not None:
+        reduce(sums)
+    total, s, sq = sums.unbind()
+    if total.item() <= 0:
+        return zero, zero
+    mean = s / total
+    return mean, (sq / total - mean.square()).clamp(min=0.0)
+
+
+def group_advantages(rewards: Tensor, estimator: str, eps: float = 1e-6, reduce: Reducer | None = None) -> Tensor:
     """Sequence-level advantages [G, n] from rewards [G, n] (G prompt groups of n samples each).
 
     * ``grpo``: (r - mean_group) / (std_group + eps) with the population std (``unbiased=False``): the
@@ -21,7 +52,8 @@ def group_advantages(rewards: Tensor, estimator: str, eps: float = 1e-6) -> Tens
     * ``rloo``: r_i - mean of the other n - 1 samples (leave-one-out, an unbiased baseline); needs n >= 2.
     * ``reinforce_pp``: REINFORCE++ with a group baseline: r - mean_group, then normalised over the whole
       batch of G * n sequences by its mean and population std (sequence level, so long completions do
-      not weigh more in the statistics).
+      not weigh more in the statistics). With ``reduce`` (several learner ranks) the batch is the whole
+      step's, every rank's groups (:func:`batch_moments`); the other estimators are per group already.
 
     A group whose rewards are all equal carries no learning signal and gets exactly 0 (for every
     estimator; float round-off in the mean would otherwise leave tiny values, which grpo's division by a
@@ -47,7 +79,8 @@ def group_advantages(rewards: Tensor, estimator: str, eps: float = 1e-6) -> Tens
         adv = r - (r.sum(dim=1, keepdim=True) - r) / (n - 1)
     else:  # reinforce_pp
         centred = r - mean
-        adv = (centred - centred.mean()) / (centred.std(unbiased=False) + eps)
+        c_mean, c_var = batch_moments(centred, reduce=reduce)
+        adv = ((centred - c_mean) / (c_var.sqrt() + eps)).to(centred.dtype)
     constant = (r == r[:, :1]).all(dim=1, keepdim=True)
     return torch.where(constant, torch.zeros_like(adv), adv)
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from async_rlhf.learner.advantages import group_advantages
+from async_rlhf.learner.advantages import Reducer, group_advantages
 from async_rlhf.types import Group
 
 
@@ -42,11 +42,13 @@ class Batch:
         return int(self.loss_mask.sum().item())
 
 
-def collate(groups: list[Group], pad_id: int, advantage: str) -> Batch:
+def collate(groups: list[Group], pad_id: int, advantage: str, reduce: Reducer | None = None) -> Batch:
+    """``reduce`` (several learner ranks: a sum over them, in place) makes batch-level advantage statistics
+    (REINFORCE++) those of the whole step, every rank's groups, not this rank's share."""
     seqs, comp_spans, mus, vers, trained = [], [], [], [], []
     rewards = [torch.tensor([s.reward for s in g.samples], dtype=torch.float32) for g in groups]
     if len({len(r) for r in rewards}) == 1:  # one [G, n] call: batch-level estimators (REINFORCE++) need it
-        advs = list(group_advantages(torch.stack(rewards), advantage))
+        advs = list(group_advantages(torch.stack(rewards), advantage, reduce=reduce))
     elif advantage == "reinforce_pp":
         raise ValueError("train.advantage=reinforce_pp normalises over the batch and needs equal group sizes")
     else:

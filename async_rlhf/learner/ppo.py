@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from async_rlhf.config import parse_reward_models
-from async_rlhf.learner.advantages import gae
+from async_rlhf.learner.advantages import Reducer, batch_moments, gae
 from async_rlhf.learner.objectives import masked_mean
 
 
@@ -129,11 +129,14 @@ def reward_mix_metrics(task: Tensor, rm: Tensor) -> dict[str, float]:
             "ppo/task_reward_std": t_std, "ppo/rm_score_std": r_std, "ppo/rm_task_corr": corr}
 
 
-def whiten(x: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
-    """(x - mean) / std over the masked positions; 0 elsewhere. A constant input gives 0."""
-    mean = masked_mean(x, mask)
-    var = masked_mean((x - mean).square(), mask)
-    out = (x - mean) / torch.sqrt(var + eps)
+def whiten(x: Tensor, mask: Tensor, eps: float = 1e-8, reduce: Reducer | None = None) -> Tensor:
+    """(x - mean) / std over the masked positions; 0 elsewhere. A constant input gives 0.
+
+    ``reduce`` (several learner ranks): mean and std over the masked positions of the whole step, every
+    rank's rows (:func:`advantages.batch_moments`), so the result does not depend on the number of ranks.
+    """
+    mean, var = batch_moments(x, mask, reduce)
+    out = ((x - mean) / torch.sqrt(var + eps)).to(x.dtype)
     return torch.where(mask > 0, out, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
@@ -194,7 +197,9 @@ class PPOTrainer:
         return scores + self.cfg.reward_model_weight * rm, reward_mix_metrics(task, rm)
 
     @torch.no_grad()
-    def prepare(self, batch: Any, ref_logp_fn: Callable[[], Tensor] | None) -> PPOTargets:
+    def prepare(self, batch: Any, ref_logp_fn: Callable[[], Tensor] | None,
+                reduce: Reducer | None = None) -> PPOTargets:
+        """Rewards, values and GAE targets of ``batch``; ``reduce`` (several ranks) whitens over the whole step."""
         p = self.cfg
         raw, mix = self.scores(batch)
         scores = raw
@@ -209,7 +214,7 @@ class PPOTrainer:
         values = self.critic.values(batch.input_ids, batch.attention_mask)
         adv, returns = gae(rewards, values, mask, p.gamma, p.lam)
         if p.whiten_advantages:
-            adv = whiten(adv, mask)
+            adv = whiten(adv, mask, reduce=reduce)
         if p.advantage_clip > 0:
             adv = adv.clamp(-p.advantage_clip, p.advantage_clip)
         metrics = {
