@@ -48,6 +48,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.machine import describe, finish, git_commit, machine_record, stamp  # noqa: E402
+
 TASKS = {"addition": ["task.name=addition", "generator.max_new_tokens=6"],
          "longtail": ["task.name=longtail", "generator.max_new_tokens=41"],
          # 3-digit addition: its warm start is right on 0.19 of held-out problems, so RL takes minutes, not
@@ -58,6 +60,32 @@ SHARED = ["train.batch_size=8", "train.group_size=8", "train.lr=1e-4", "generato
 THRESHOLDS = (0.5, 0.7, 0.8, 0.9, 0.95, 0.98)
 WINDOW = 3
 """Evaluations averaged by the held readings (one greedy evaluation of 200-500 prompts swings by up to 0.1)."""
+TARGET_RATIO = 0.5  # with the issue's own budget, 600 s per side
+SHORT_BUDGET_S = 600.0
+SHORT_TARGET_RATIO = 1.0
+SHORT_REASON = ("below a 600 s budget TRL is still rising at its end, so reaching its end accuracy in half its time "
+                "takes twice its throughput, and on 2 cores both sides keep the cores busy at about the same CPU "
+                "per sample generated (bench/all.py --quick, addition3 in 90 s: 1.90 and 1.73 cores busy, 2.15 "
+                "and 1.90 CPU ms per sample generated, 886 and 917 samples generated per second)")
+
+
+def target_for(budget_s: float) -> tuple[float, str]:
+    """(ratio, text): the target the bench holds itself to at this budget."""
+    ratio = TARGET_RATIO if budget_s >= SHORT_BUDGET_S else SHORT_TARGET_RATIO
+    text = (f"time for async_rlhf to reach TRL's end accuracy <= {ratio} x TRL's training time, on every task "
+            "(training time on both sides: start-up excluded; TRL's evaluations off its clock, ours on it)")
+    if ratio != TARGET_RATIO:
+        text += f" ({ratio}, not {TARGET_RATIO}, with a {budget_s:.0f} s budget: {SHORT_REASON})"
+    return ratio, text
+SAMPLES_NOTE = ("samples trained per second are not like with like: TRL trains every sample (a uniform group has "
+                "zero advantage and no gradient), async_rlhf drops uniform groups before training (its samples "
+                "generated per second are the like-with-like figure); the target compares times, alike on both "
+                "sides")
+
+
+def target_ratio(row: dict[str, Any]) -> float:
+    """Ours / TRL's time to TRL's end accuracy (inf when we never reached it)."""
+    return (row["time_to_trl_accuracy_s"] or float("inf")) / row["trl_time_s"]
 
 
 def task_config(task: str, ours_set: tuple[str, ...] = ()) -> Any:
@@ -362,9 +390,10 @@ def report(row: dict[str, Any]) -> None:
           f"{fmt(row['trl_time_to_its_held_accuracy_s'])} | {fmt(row['time_to_trl_held_accuracy_s'])} |")
     for t, v in row["time_to_hold_threshold_s"].items():
         print(f"| time to hold {t} ({WINDOW} evaluations) | {fmt(v['trl'])} | {fmt(v['ours'])} |")
-    ratio = (row["time_to_trl_accuracy_s"] or float("inf")) / row["trl_time_s"]
+    ratio = target_ratio(row)
     held = (row["time_to_trl_held_accuracy_s"] or float("inf")) / row["trl_time_s"]
-    print(f"\ntime to TRL's end accuracy, ours / TRL: {ratio:.2f} (target: at most 0.5)")
+    print(f"\ntime to TRL's end accuracy, ours / TRL: {ratio:.2f} (target: at most {TARGET_RATIO} with a 600 s budget)")
+    print(SAMPLES_NOTE)
     print(f"time to hold what TRL holds in its second half, ours / TRL's budget: {held:.2f}")
     own = row["trl_time_to_its_held_accuracy_s"]
     if own:  # when TRL holds it early, the budget flatters us: this is the ratio the target speaks of
@@ -391,7 +420,17 @@ def main() -> None:
     budget = args.budget_s or (150.0 if args.quick else 600.0)
     out = Path(args.out).resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
-    rows = []
+    rows: list[dict[str, Any]] = []
+    machine, commit = machine_record(), git_commit()
+    print(describe(machine, commit), flush=True)
+
+    target, target_line = target_for(budget)
+
+    def result() -> dict[str, Any]:
+        holds = bool(rows) and all(target_ratio(r) <= target for r in rows)
+        return stamp({"budget_s": budget, "target": target_line, "holds": holds, "samples_note": SAMPLES_NOTE,
+                      "tasks": rows}, machine, commit)
+
     for task in args.tasks.split(","):  # every task and --ours-set checked before the first run
         if task not in TASKS:
             p.error(f"unknown task {task!r}; choose from {', '.join(TASKS)}")
@@ -403,8 +442,12 @@ def main() -> None:
         rows.append(compare(task, budget, args.eval_every_s or budget / 60, out.parent, args.model,
                             args.generators or default_generators(), tuple(args.ours_set)))
         report(rows[-1])
-        out.write_text(json.dumps({"budget_s": budget, "tasks": rows}, indent=2))
-    print(f"\nwritten {out} and the curves beside it")
+        out.write_text(json.dumps(result(), indent=2))
+    finish(machine)
+    out.write_text(json.dumps(result(), indent=2))
+    print(f"\ntarget: {target_line}: {'holds' if result()['holds'] else 'MISSED'}")
+    print(describe(machine, commit))
+    print(f"written {out} and the curves beside it")
 
 
 if __name__ == "__main__":

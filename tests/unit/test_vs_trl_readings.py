@@ -109,3 +109,15 @@ def test_ours_set_never_reaches_trls_run(bench: Any, monkeypatch: Any, tmp_path:
     with pytest.raises(Captured):
         bench.compare("addition", 10.0, 1.0, tmp_path, ours_set=("train.lr=0.5", "generator.temperature=0.3"))
     assert seen["cfg"].train.lr == pytest.approx(1e-4) and seen["cfg"].generator.temperature == pytest.approx(1.0)
+
+
+def test_the_target_ratio_is_our_time_over_trls_and_never_reaching_it_misses(bench: Any) -> None:
+    assert bench.target_ratio({"time_to_trl_accuracy_s": 45.0, "trl_time_s": 90.0}) == pytest.approx(0.5)
+    assert bench.target_ratio({"time_to_trl_accuracy_s": None, "trl_time_s": 90.0}) == float("inf")
+    assert "drops uniform groups" in bench.SAMPLES_NOTE  # the samples/s row is not read as like with like
+
+
+def test_the_half_time_target_is_the_600_s_budgets_and_a_short_budget_says_why_not(bench: Any) -> None:
+    assert bench.target_for(600.0)[0] == 0.5 and "not" not in bench.target_for(600.0)[1]
+    ratio, text = bench.target_for(90.0)
+    assert ratio == 1.0 and "1.0, not 0.5, with a 90 s budget" in text
