@@ -44,3 +44,45 @@ def test_records_are_reduced_across_ranks() -> None:
     assert rec["rollout/reward_mean"] == pytest.approx(0.5) and rec["staleness/mean"] == pytest.approx(0.5)
     assert rec["staleness/max"] == 3 and rec["optim/loss"] == pytest.approx(2.0)
     assert rec["learner_ranks"] == 2 and rec["step"] == 7
+
+
+def _agreement_rank(rank: int, port: int, out: "mp.Queue") -> None:
+    import torch
+    import torch.distributed as dist
+
+    from async_rlhf.learner.agreement import Agreement, all_reduce_max, all_reduce_sum
+
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    a = Agreement(2)  # rank 0: 3 same-version tokens off by 0.1 each; rank 1: one off by 2.0, one of version 1
+    if rank == 0:
+        logp, behav = torch.tensor([[-1.0, -1.0, -1.0]]), torch.tensor([[-1.1, -0.9, -1.1]])
+        versions, mask = torch.tensor([[2, 2, 2]]), torch.ones(1, 3)
+    else:
+        logp, behav = torch.tensor([[-1.0, 0.0], [-1.0, 0.0]]), torch.tensor([[-3.0, 0.0], [-1.0, 0.0]])
+        versions, mask = torch.tensor([[2, 0], [1, 0]]), torch.tensor([[1.0, 0.0], [1.0, 0.0]])
+    a.observe(logp, behav, versions, mask)
+    a.observe_sampled(behav, mask)
+    a.reduce(all_reduce_sum, all_reduce_max)
+    out.put((rank, a.metrics()))
+    dist.destroy_process_group()
+
+
+def test_the_agreement_monitor_is_token_weighted_over_ranks() -> None:
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_agreement_rank, args=(r, port, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        got = dict(out.get(timeout=120) for _ in procs)
+    finally:
+        for p in procs:
+            stop_process(p)
+    assert got[0] == got[1], "every rank ends with the same figures"
+    m = got[0]
+    assert m["rollout/same_version_tokens"] == 4
+    assert m["rollout/logp_mismatch_mean"] == pytest.approx((0.3 + 2.0) / 4)  # not (0.1 + 2.0) / 2
+    assert m["rollout/logp_mismatch_max"] == pytest.approx(2.0)
+    assert m["rollout/sampled_logp_mean"] == pytest.approx((-3.1 - 3.0 - 1.0) / 5)
