@@ -25,6 +25,7 @@ KINDS = frozenset({
     "reward",       # generator / reward source -> buffer: the late rewards of a group put with rewards pending
     "get",          # learner -> buffer: a share of the next batch for version v
     "ack",          # learner -> buffer: these group ids were trained on
+    "renew",        # learner -> buffer: it still trains these group ids (lease: not redelivered meanwhile)
     "set_version",  # learner -> buffer: version v is live
     "release",      # generator -> buffer: give back admitted slots it will not use
     "stats",        # anyone -> buffer: counters and ledgers

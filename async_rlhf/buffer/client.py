@@ -332,6 +332,12 @@ class BufferClient:
         self._forget(group_ids)
         return [str(g) for g in r.get("consumed", [])]
 
+    def renew(self, group_ids: list[str], *, consumer: str | None = None) -> list[str]:
+        """Renew this consumer's lease on ``group_ids`` (it is still training them: the buffer does not hand them
+        to another learner when the visibility timeout passes); returns the ids it no longer holds."""
+        r = self.request("renew", group_ids=list(group_ids), consumer=consumer or self.consumer)
+        return [str(g) for g in r.get("lost", [])]
+
     def set_version(self, version: int) -> None:
         self.request("set_version", version=version)
 

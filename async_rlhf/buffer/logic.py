@@ -345,6 +345,23 @@ class BufferLogic:
         lost = [gid for gid, d in self.store.delivered().items() if d.consumer == consumer and gid not in keep]
         return self._redeliver(lost, "reply_lost")
 
+    def renew(self, consumer: str, group_ids: list[str]) -> dict[str, Any]:
+        """``consumer`` still trains ``group_ids`` (its lease, renewed well within the visibility timeout while
+        a long step runs): their timeout starts again, so :meth:`tick` never hands them to another learner.
+
+        One whose lease lapsed anyway (the renewal came late) and that no other learner has taken yet is
+        delivered back to ``consumer``. ``lost``: the ids ``consumer`` no longer holds (taken by another learner,
+        trained, dropped or unknown): it must not train them."""
+        gids = list(dict.fromkeys(map(str, group_ids)))
+        renewed = set(self.store.renew(gids, consumer))
+        lapsed = [g for g in gids if g not in renewed and self.store.state(g) == HELD]
+        if lapsed:
+            self.counters["lease_reclaimed"] += len(lapsed)
+            renewed |= {g.group_id for g in self.store.deliver(lapsed, consumer, self.admission.version,
+                                                               self._meta())}
+        self.counters["lease_renewed"] += len(renewed)
+        return {"renewed": len(renewed), "lost": [g for g in gids if g not in renewed]}
+
     def _redeliver(self, gids: list[str], why: str) -> int:
         if not gids:
             return 0

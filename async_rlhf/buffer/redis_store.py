@@ -275,6 +275,14 @@ class RedisStore(MemoryStore):
                     [GROUP, HELD_CONSUMER, len(gids), *sids, *gids, *deliv, *_pairs(meta)])
         return super().redeliver(gids, meta)
 
+    def renew(self, group_ids: list[str], consumer: str) -> list[str]:
+        gids = [g for g in dict.fromkeys(group_ids)
+                if g in self._delivered and self._delivered[g][1].consumer == consumer]
+        if gids:  # XCLAIM to the same consumer: its idle time (the delivery's age after a restart) starts again
+            sids = [self._sids[g] for g in gids]
+            self._retry(lambda: self.r.xclaim(self.k_stream, GROUP, consumer, 0, sids, justid=True))
+        return super().renew(gids, consumer)
+
     def save_admit(self, request_id: str, granted: int, version: int, keep: int, meta: Mapping[str, int]) -> None:
         self._retry(self._admit, [self.k_admits, self.k_admit_order, self.k_meta],
                     [request_id, f"{granted} {version}", keep, *_pairs(meta)])

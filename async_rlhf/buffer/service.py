@@ -231,6 +231,8 @@ class BufferService:
         elif kind == "ack":
             _consumer(msg)
             out = logic.ack(list(msg.get("group_ids") or []))
+        elif kind == "renew":
+            out = logic.renew(_consumer(msg), _ids(msg, "group_ids"))
         elif kind == "set_version":
             out = logic.set_version(_count(msg, "version"))
         elif kind == "stats":

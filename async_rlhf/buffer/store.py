@@ -99,6 +99,7 @@ class Store(Protocol):
     def ack(self, group_ids: list[str], meta: Mapping[str, int] | None = None) -> list[str]: ...
     def drop(self, group_ids: list[str], reason: str, meta: Mapping[str, int] | None = None) -> list[str]: ...
     def redeliver(self, group_ids: list[str], meta: Mapping[str, int] | None = None) -> list[str]: ...
+    def renew(self, group_ids: list[str], consumer: str) -> list[str]: ...
     def save_meta(self, meta: Mapping[str, int]) -> None: ...
     def save_admit(self, request_id: str, granted: int, version: int, keep: int, meta: Mapping[str, int]) -> None: ...
     def admits(self) -> dict[str, tuple[int, int]]: ...
@@ -293,6 +294,17 @@ class MemoryStore:
             moved.append(gid)
         self._save(meta)
         return moved
+
+    def renew(self, group_ids: list[str], consumer: str) -> list[str]:
+        """Restart the visibility timeout of the groups delivered to ``consumer`` among ``group_ids`` (its lease:
+        it is still training them); returns their ids."""
+        now, renewed = time.time(), []
+        for gid in group_ids:
+            entry = self._delivered.get(gid)
+            if entry is not None and entry[1].consumer == consumer:
+                entry[1].at = now
+                renewed.append(gid)
+        return renewed
 
     def redeliver(self, group_ids: list[str], meta: Mapping[str, int] | None = None) -> list[str]:
         """delivered -> held (its learner is presumed dead); it keeps its arrival order."""

@@ -221,10 +221,15 @@ class LearnerActor:
         from async_rlhf.checkpoint_layout import staging_dir
         from async_rlhf.learner.agreement import all_reduce_max, all_reduce_sum
         from async_rlhf.learner.checkpoint_trigger import CheckpointTrigger
+        from async_rlhf.learner.lease import LeaseKeeper
         from async_rlhf.learner.objectives import correction_saturated
 
         cfg = self.cfg
         client = make_client(cfg, self.buffer_address, consumer=f"learner-{self.rank}")
+        # renews the groups this rank holds while its step runs: a step longer than the visibility timeout must
+        # not see them handed to another learner and trained twice (async_rlhf/learner/lease.py)
+        lease = LeaseKeeper(lambda: make_client(cfg, self.buffer_address, consumer=f"learner-{self.rank}"),
+                            cfg.buffer.visibility_timeout_s / 4)
         patience = cfg.buffer.redis_retry_s + cfg.buffer.request_timeout_s
         share = cfg.train.batch_size // self.world_size
         ckpt = CheckpointTrigger(cfg.run.checkpoint_every, cfg.run.checkpoint_every_s, any_rank=(
@@ -241,12 +246,15 @@ class LearnerActor:
                 with self._phase("wait_data"):
                     while len(groups) < share:
                         want = share - len(groups)
-                        groups += with_retry(lambda: client.get(want, self.version, wait_s=2.0), "get", patience)
+                        got = with_retry(lambda: client.get(want, self.version, wait_s=2.0), "get", patience)
+                        lease.hold(g.group_id for g in got)
+                        groups += got
                 with self._phase("collate"):
                     batch = self.collate(groups)
                 m = self._update(batch, [len(g.samples) for g in groups])
                 with self._phase("ack"):
                     skipped = with_retry(lambda: client.ack_consumed(batch.group_ids), "ack", patience)
+                    lease.done()
                 self.step += 1
                 with self._lock:
                     self._trained_by_step[self.step] = {"group_ids": list(batch.group_ids), "skipped_ids": skipped}
@@ -290,6 +298,7 @@ class LearnerActor:
             self._await_push()  # the last version is out before train() returns
         finally:
             self.timeline.stop()
+            lease.close()
             client.close()
             if self._pusher is not None:
                 self._pusher.close()

@@ -123,6 +123,22 @@ def test_pending_entries_carry_owner_and_idle_time(store: RedisStore, server: Re
     assert owners == {HELD_CONSUMER}
 
 
+def test_a_renewed_lease_restarts_the_idle_time_in_redis(store: RedisStore, server: RedisServer):
+    """A learner's lease renewal (issue 31, defect 8) resets the pending entry's idle time: a service started
+    after it does not see the delivery as overdue."""
+    logic = BufferLogic(store, groups_per_version=10, max_staleness=5, visibility_timeout_s=0.4)
+    for i in range(2):
+        logic.put(make_group(f"g{i}").to_wire())
+    logic.try_get(2, 0, "learner-7")
+    time.sleep(0.3)
+    assert logic.renew("learner-7", ["g0", "g1", "nope"]) == {"renewed": 2, "lost": ["nope"]}
+    time.sleep(0.2)  # 0.5 s since the delivery, 0.2 s since the renewal
+    fresh = BufferLogic(RedisStore(server.url, prefix=store.prefix), groups_per_version=10, max_staleness=5,
+                        visibility_timeout_s=0.4)
+    assert fresh.tick() == 0
+    assert sorted(fresh.store.delivered()) == ["g0", "g1"]
+
+
 def test_url_carries_the_password(server: RedisServer):
     assert isinstance(make_store("redis", url=server.url, prefix="t:pw"), RedisStore)
     wrong = server.url.replace("s3cret", "nope")
