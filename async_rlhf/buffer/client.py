@@ -186,7 +186,7 @@ class BufferClient:
         same id and the service answers with its first grant instead of granting again.
         """
         rid = self._unanswered_admit = self._unanswered_admit or uuid.uuid4().hex
-        r = self.request("admit", want=want, request_id=rid)
+        r = self.request("admit", want=want, request_id=rid, holder=self.consumer)
         self._unanswered_admit = None
         granted, version = int(r["granted"]), int(r["version"])
         if granted > want:  # the repeated request had asked for more than this call wants
@@ -257,10 +257,10 @@ class BufferClient:
         (no msgpack list to build or decode); a batch with a large group goes as one frame each (no copy).
         """
         if as_frames(batch):
-            rid = self.send_request("put", parts=batch, rewards_pending=rewards_pending)
+            rid = self.send_request("put", parts=batch, rewards_pending=rewards_pending, holder=self.consumer)
         else:
             rid = self.send_request("put", parts=[b"".join(batch)], sizes=[len(g) for g in batch],
-                                    rewards_pending=rewards_pending)
+                                    rewards_pending=rewards_pending, holder=self.consumer)
         return self.wait_reply("put", rid) if wait else rid
 
     def reward(self, group_id: str, rewards: list[float]) -> dict[str, Any]:
@@ -275,7 +275,13 @@ class BufferClient:
         return {"ok": bool(r["ok"]), "reason": r.get("reason"), "state": r.get("state")}
 
     def release(self, n: int) -> None:
-        self.request("release", n=n)
+        """Give back ``n`` admission slots this client holds (admitted, never to be put)."""
+        self.request("release", n=n, holder=self.consumer)
+
+    def release_holder(self, holder: str) -> int:
+        """The generator whose client is named ``holder`` died: the service gives back exactly the admission
+        slots it still held (granted, not put or released); returns how many."""
+        return int(self.request("release", n=0, dead_holder=holder).get("released", 0))
 
     def declare_dead(self, consumer: str) -> int:
         """Tell the service that learner ``consumer`` died: its unacknowledged groups go to others now."""

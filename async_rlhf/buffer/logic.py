@@ -72,6 +72,13 @@ class BufferLogic:
         self.admission = AdmissionControl(groups_per_version, max_staleness, **{
             k: int(meta[k]) for k in ADMISSION_KEYS if k in meta})
         self.counters: Counter[str] = Counter({k[2:]: int(v) for k, v in meta.items() if k.startswith("c:")})
+        self.holdings: Counter[str] = Counter()
+        """Admission slots each generator (by its client's name) holds: granted, not yet put or released. When a
+        generator dies, :meth:`release_holder` gives back exactly these (the driver's polled count is seconds
+        old). Kept in memory: a restarted service knows no holdings (it releases nothing for them)."""
+        self._dead_holders: set[str] = set()
+        """Holders released by :meth:`release_holder` that have not admitted since: a put of theirs still on its
+        way counts as accepted but ends no running slot (those went back already)."""
         self.rejects: Counter[str] = Counter()
         self.staleness_hist: Counter[int] = Counter()
         self.put_rate, self.get_rate = RateMeter(), RateMeter()
@@ -94,8 +101,26 @@ class BufferLogic:
         return len(self.store) + len(self.store.awaiting()) + self.store.num_delivered()
 
     # -- generators -------------------------------------------------------------------------
-    def admit(self, want: int, request_id: str | None = None) -> dict[str, Any]:
-        """Grant up to ``want`` new groups. A repeated ``request_id`` (a client retry) gets the first answer."""
+    def _unhold(self, holder: str | None, n: int) -> None:
+        """``holder``'s slots that ended (put or released): at most what it holds."""
+        if holder is not None and n > 0 and holder in self.holdings:
+            self.holdings[holder] -= min(n, self.holdings[holder])
+            if self.holdings[holder] <= 0:
+                del self.holdings[holder]
+
+    def release_holder(self, holder: str) -> dict[str, Any]:
+        """``holder`` (a generator's client) is gone: give back exactly the admission slots it still held."""
+        n = self.holdings.pop(str(holder), 0)
+        self._dead_holders.add(str(holder))
+        if n:
+            self.admission.release(n)
+            self.counters["released_dead_holder"] += n
+            self.store.save_meta(self._meta())
+        return {"released": n}
+
+    def admit(self, want: int, request_id: str | None = None, holder: str | None = None) -> dict[str, Any]:
+        """Grant up to ``want`` new groups (to ``holder``, whose slots are counted until put or released). A
+        repeated ``request_id`` (a client retry) gets the first answer."""
         if request_id is not None:
             earlier = self._admits.get(request_id)
             if earlier is not None:
@@ -109,7 +134,11 @@ class BufferLogic:
             want = min(want, max(0, room))
         granted = self.admission.admit(want)
         out = {"granted": granted, "version": self.admission.version}
+        if holder is not None:
+            self._dead_holders.discard(holder)  # a restarted generator under the same name
         if granted:
+            if holder is not None:
+                self.holdings[holder] += granted
             self.counters["admitted"] += granted
             if request_id is None:
                 self.store.save_meta(self._meta())
@@ -120,18 +149,19 @@ class BufferLogic:
                 self.store.save_admit(request_id, granted, self.admission.version, ADMIT_MEMORY, self._meta())
         return out
 
-    def release(self, n: int, consumer: str | None = None) -> dict[str, Any]:
-        """Give back ``n`` unused admission slots; with ``consumer``, also declare that learner dead."""
+    def release(self, n: int, consumer: str | None = None, holder: str | None = None) -> dict[str, Any]:
+        """Give back ``n`` unused admission slots (``holder``'s); with ``consumer``, also declare that learner dead."""
         out: dict[str, Any] = {}
         n = max(0, int(n))
-        if n:
+        if n and not (holder is not None and holder in self._dead_holders):  # a dead one's went back already
             self.admission.release(n)
+            self._unhold(holder, n)
             self.store.save_meta(self._meta())
         if consumer:
             out["redelivered"] = self.declare_dead(str(consumer))
         return out
 
-    def put(self, wire_group: Any, rewards_pending: bool = False) -> dict[str, Any]:
+    def put(self, wire_group: Any, rewards_pending: bool = False, holder: str | None = None) -> dict[str, Any]:
         """Store one complete group, given as its wire map or its msgpack bytes (kept as they are).
 
         A known id (in any state) is a duplicate: answered, counted, never stored twice, so a client may
@@ -139,14 +169,14 @@ class BufferLogic:
         until :meth:`reward` (or the reward deadline) and is never delivered before.
         """
         if isinstance(wire_group, bytes):
-            status = self.put_many([wire_group], rewards_pending)[0]
+            status = self.put_many([wire_group], rewards_pending, holder)[0]
         else:
             env = inspect_group(wire_group)  # validates; raises WireError
-            status = self._store([(env, msgpack.packb(wire_group, use_bin_type=True))], rewards_pending)[0]
+            status = self._store([(env, msgpack.packb(wire_group, use_bin_type=True))], rewards_pending, holder)[0]
         return {"accepted": status == PUT_OK, "duplicate": status == PUT_DUPLICATE, **(
             {"full": True} if status == PUT_FULL else {})}
 
-    def put_many(self, groups: list[bytes], rewards_pending: bool = False) -> list[str]:
+    def put_many(self, groups: list[bytes], rewards_pending: bool = False, holder: str | None = None) -> list[str]:
         """Store groups given as msgpack bytes; one status each (``ok``, ``duplicate``, ``full``).
 
         All are checked before any is stored, so one malformed group refuses the whole call (WireError).
@@ -159,9 +189,10 @@ class BufferLogic:
             except Exception as exc:  # msgpack raises several unrelated types on garbage
                 raise WireError("malformed", f"group {i} of the put is not msgpack ({type(exc).__name__})") from None
             checked.append((inspect_group(wire), data))
-        return self._store(checked, rewards_pending)
+        return self._store(checked, rewards_pending, holder)
 
-    def _store(self, checked: list[tuple[Envelope, bytes]], rewards_pending: bool) -> list[str]:
+    def _store(self, checked: list[tuple[Envelope, bytes]], rewards_pending: bool,
+               holder: str | None = None) -> list[str]:
         status: list[str] = []
         fresh: list[StoredGroup] = []
         taken: set[str] = set()
@@ -187,7 +218,11 @@ class BufferLogic:
             fresh.append(StoredGroup(gid, env.min_version, env.num_samples, env.num_tokens, data, since=now))
             status.append(PUT_OK)
         if fresh:
-            self.admission.finished(len(fresh))
+            if holder is not None and holder in self._dead_holders:  # its slots went back at its death
+                self.admission.accepted += len(fresh)
+            else:
+                self.admission.finished(len(fresh))
+            self._unhold(holder, len(fresh))
             self.counters["put_tokens"] += sum(g.num_tokens for g in fresh)
             self.counters["put"] += len(fresh)
             if rewards_pending:
@@ -402,6 +437,7 @@ class BufferLogic:
         lost = list(self.store.awaiting())
         a = self.admission
         a.version, a.running, a.accepted = version, 0, consumed + len(held) - len(rolled)
+        self.holdings.clear()
         for gids, reason in ((rolled, "rolled_back"), (lost, "reward_lost")):
             if gids:
                 self.counters[f"dropped_{reason}"] += len(gids)
@@ -455,4 +491,5 @@ class BufferLogic:
                 "trained": sorted(self.store.trained()),
                 "dropped": dict(self.store.dropped()),
             }
+            out["holders"] = dict(self.holdings)  # admission slots each generator holds (see release_holder)
         return out

@@ -220,14 +220,16 @@ class BufferService:
             self._serve_pending()
             return kind
         if kind == "admit":
-            out = logic.admit(_count(msg, "want"), _request_id(msg))
+            out = logic.admit(_count(msg, "want"), _request_id(msg), _holder(msg))
         elif kind == "put":
             out = self._put(msg, parts)
         elif kind == "reward":
             out = logic.reward(msg.get("group_id"), msg.get("rewards"))
+        elif kind == "release" and "dead_holder" in msg:  # the driver: that generator died
+            out = logic.release_holder(_consumer({"consumer": msg["dead_holder"]}))
         elif kind == "release":
             consumer = msg.get("consumer")
-            out = logic.release(_count(msg, "n"), _consumer(msg) if consumer is not None else None)
+            out = logic.release(_count(msg, "n"), _consumer(msg) if consumer is not None else None, _holder(msg))
         elif kind == "ack":
             _consumer(msg)
             out = logic.ack(list(msg.get("group_ids") or []))
@@ -250,16 +252,17 @@ class BufferService:
         pending = msg.get("rewards_pending", False)
         if not isinstance(pending, bool):
             raise WireError("malformed", "rewards_pending must be true or false")
+        holder = _holder(msg)
         if "sizes" in msg:  # small groups back to back in one frame; copied out, so none pins the whole frame
-            return {"status": self.logic.put_many(unpack_sizes(parts, msg["sizes"], copy=True), pending)}
+            return {"status": self.logic.put_many(unpack_sizes(parts, msg["sizes"], copy=True), pending, holder)}
         if parts:
-            return {"status": self.logic.put_many(parts, pending)}
+            return {"status": self.logic.put_many(parts, pending, holder)}
         if "groups" not in msg:
-            return self.logic.put(msg.get("group"), pending)
+            return self.logic.put(msg.get("group"), pending, holder)
         groups = msg["groups"]
         if not isinstance(groups, list) or not groups or not all(isinstance(g, bytes) for g in groups):
             raise WireError("malformed", "groups must be a non-empty list of msgpack-encoded groups (bytes)")
-        return {"status": self.logic.put_many(groups, pending)}
+        return {"status": self.logic.put_many(groups, pending, holder)}
 
     def _serve_pending(self) -> None:
         if not self._pending:
@@ -300,6 +303,11 @@ def _check_parts(msg: dict[str, Any], parts: list[bytes], max_bytes: int) -> Non
     total = sum(len(p) for p in parts)
     if total > max_bytes:
         raise WireError("oversized", f"{total} bytes of groups exceed the limit of {max_bytes}")
+
+
+def _holder(msg: dict[str, Any]) -> str | None:
+    """The name of the client that holds admission slots (a generator's), if the request gives one."""
+    return _consumer({"consumer": msg["holder"]}) if msg.get("holder") is not None else None
 
 
 def _request_id(msg: dict[str, Any]) -> str | None:

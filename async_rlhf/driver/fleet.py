@@ -298,7 +298,10 @@ class Fleet:
         handle = self.handles[gen]
         self.cluster.generator_died(self.member_id(gen))  # no push waits for the dead process meanwhile
         was_draining = self.draining.pop(gen, None) is not None
-        lost_slots = int(self.last_stats.get(gen, {}).get("in_flight", 0))
+        # the admission slots it held died with it: the buffer knows exactly which (its client's name), unlike
+        # the last polled in_flight, seconds old. Released now (its re-issued prompts are admitted anew), before
+        # a restarted process can admit under the same name, and also when it never comes back
+        lost_slots = self.buffer_client.release_holder(generator_client_name(gen))
         self._event("died", gen, error=type(exc).__name__, in_flight=lost_slots,
                     position=self.ledger.positions.get(gen, 0),
                     outstanding=len(self.ledger.outstanding.get(gen, ())))
@@ -308,8 +311,6 @@ class Fleet:
             self.counters["lost"] += 1
             self._event("lost", gen)
             return
-        if lost_slots:  # the admission slots it held died with it; its re-issued prompts are admitted anew
-            self.buffer_client.release(lost_slots)
         self.counters["restarts"] += 1
         self._event("restarted", gen)
         self._join(gen, handle)
@@ -402,6 +403,11 @@ class ControlServer:
         self._thread.join(timeout=2)
         self._sock.close(0)
         self.file.unlink(missing_ok=True)
+
+
+def generator_client_name(gen: int) -> str:
+    """The buffer client name of generator ``gen`` (``GeneratorActor.run``'s): the holder of its admission slots."""
+    return f"generator-{gen}"
 
 
 def _wait_restarted(handle: Any, timeout_s: float) -> bool:
