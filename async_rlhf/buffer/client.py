@@ -278,6 +278,11 @@ class BufferClient:
         """Give back ``n`` admission slots this client holds (admitted, never to be put)."""
         self.request("release", n=n, holder=self.consumer)
 
+    def abandon(self, group_ids: list[str]) -> list[str]:
+        """Give up on the late rewards of these groups (put with rewards pending): the buffer drops them now with
+        reason ``reward_abandoned`` (admission back at once); returns the ids it dropped."""
+        return [str(g) for g in self.request("release", n=0, abandon=list(group_ids)).get("abandoned", [])]
+
     def release_holder(self, holder: str) -> int:
         """The generator whose client is named ``holder`` died: the service gives back exactly the admission
         slots it still held (granted, not put or released); returns how many."""

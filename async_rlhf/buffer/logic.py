@@ -285,6 +285,17 @@ class BufferLogic:
             self.store.drop(group_ids, "zero_advantage", self._meta())
             self._consumed_unreported += group_ids
 
+    def abandon(self, group_ids: list[str]) -> dict[str, Any]:
+        """Drop groups still awaiting their reward whose generator gives up on it (a scale-down ends it): reason
+        ``reward_abandoned``, admission back at once; their prompts stay outstanding for the driver to issue
+        again. Groups in any other state are left alone."""
+        gids = [g for g in dict.fromkeys(map(str, group_ids)) if self.store.state(g) == AWAITING]
+        if gids:
+            self.admission.dropped(len(gids))
+            self.counters["dropped_reward_abandoned"] += len(gids)
+            self.store.drop(gids, "reward_abandoned", self._meta())
+        return {"abandoned": gids}
+
     def expire_rewards(self, now: float | None = None) -> int:
         """Drop (reason ``reward_timeout``) every group still awaiting its reward after the deadline."""
         now = time.time() if now is None else now

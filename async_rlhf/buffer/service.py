@@ -225,6 +225,8 @@ class BufferService:
             out = self._put(msg, parts)
         elif kind == "reward":
             out = logic.reward(msg.get("group_id"), msg.get("rewards"))
+        elif kind == "release" and "abandon" in msg:  # a draining generator gives up on these late rewards
+            out = logic.abandon(_ids(msg, "abandon"))
         elif kind == "release" and "dead_holder" in msg:  # the driver: that generator died
             out = logic.release_holder(_consumer({"consumer": msg["dead_holder"]}))
         elif kind == "release":

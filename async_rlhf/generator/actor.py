@@ -230,6 +230,10 @@ class GeneratorActor(LoopPhases):
                 self._admit_phase(st, client, problems, source, runner, patience)
                 self._in_flight = len(self._groups)
                 self._step_phase(st, runner, rewards)
+            if self._draining.is_set() and not self._stop.is_set():
+                # scaled down: its groups are all put, but late rewards may still be on their way; each ends by
+                # itself within rewards.timeout_s plus the buffer's patience (issue 31: they were cancelled)
+                runner.settle(cfg.rewards.timeout_s + patience, give_up=self._stop.is_set)
             # a stopped generator holds the newest version it received (the learner's last push was
             # acknowledged before it stopped): load it, so the engine ends on the final weights
             last = self._staged()
@@ -241,6 +245,9 @@ class GeneratorActor(LoopPhases):
             open_groups = len(runner.groups)
             for task in list(self._eval_tasks):
                 task.cancel()
+            if self._draining.is_set():  # what is still pending goes back now, its prompt to be issued again
+                with contextlib.suppress(Exception):
+                    runner.abandon_pending()
             with contextlib.suppress(Exception):
                 runner.cancel_all()
             if st.eval_pending:

@@ -76,7 +76,40 @@ class GroupRunner:
         """Groups rewarded during this pump, put together at its end (still in ``groups`` until then)."""
 
     def start(self, gid: str, prompt: Prompt, prompt_ids: list[int]) -> None:
-        self.groups[gid] = self.loop.create_task(self._play(gid, prompt, prompt_ids))
+        self.groups[gid] = self.loop.create_task(self._play(gid, prompt, prompt_ids), name=gid)
+
+    def pending_rewards(self) -> list[str]:
+        """Ids of the groups put with rewards pending whose rewards are still being computed or sent."""
+        return sorted(t.get_name() for t in self.reward_tasks)
+
+    def settle(self, timeout_s: float, poll_s: float = 0.005,
+               give_up: Callable[[], bool] = lambda: False) -> list[str]:
+        """Let the pending late rewards finish (a draining generator, before it exits), for at most
+        ``timeout_s`` or until ``give_up()``; returns the ids still pending then. Each reward is bounded by
+        ``reward_timeout_s`` plus the buffer's patience, so ``timeout_s`` of that much lets every one end."""
+        deadline = time.monotonic() + timeout_s
+        while self.reward_tasks and time.monotonic() < deadline and not give_up():
+            self.pump()
+            time.sleep(poll_s)
+        return self.pending_rewards()
+
+    def abandon_pending(self) -> list[str]:
+        """Cancel the rewards still pending and have the buffer drop those groups now (reason
+        ``reward_abandoned``: their admission goes back at once, and the driver's prompt ledger keeps their
+        prompts outstanding, to be issued again) instead of letting them time out; returns their ids."""
+        gids = self.pending_rewards()
+        if not gids:
+            return []
+        for task in list(self.reward_tasks):
+            task.cancel()
+        self.pump()
+        try:
+            with_retry(lambda: self.client.abandon(gids), f"abandon of {len(gids)} group(s)", self.patience_s)
+        except Exception as exc:  # noqa: BLE001 - the buffer drops them at its reward deadline anyway
+            log.warning("generator %d: could not abandon groups %s: %s", self.generator, gids, exc)
+        for gid in gids:  # already in the generator's ledger (put with rewards pending): only counted
+            self.record("reward_abandoned", gid, None, "reward_abandoned")
+        return gids
 
     def pump(self) -> None:
         """Run every coroutine that can proceed: a few loop iterations let a finished turn resume its
