@@ -99,7 +99,7 @@ class LoopPhases:
         drain = gen_cfg.update_mode == "drain"
         want = gen_cfg.groups_in_flight - len(self._groups)
         if (want <= 0 or (st.staged is not None and drain) or self._draining.is_set()
-                or time.monotonic() - st.last_refused <= 0.005):
+                or time.monotonic() - st.last_refused <= 0.005 or self._swap_held_by_eval(st)):
             return
         want = min(want, problems.reissue_left + source.prefetch(want))  # prompts ready now
         granted, live = with_retry(lambda: client.admit(want), "admit", patience) if want else (0, 0)
@@ -119,6 +119,12 @@ class LoopPhases:
             runner.start(group_id(self.gen_id, self._run_tag, seq, passed_over), prompt, self.chat.encode(prompt))
         if granted:
             runner.pump()  # the new groups' first turns reach the engine
+
+    def _swap_held_by_eval(self, st: LoopState) -> bool:
+        """A newer version is staged and due, but held-out requests keep it back: groups admitted now would be born
+        behind it (a few engine steps later the evaluation is done, the swap made, and they start on it)."""
+        return bool(st.eval_pending and st.staged is not None and st.staged > self.version
+                    and self._swap_due(st.staged, time.monotonic()))
 
     def _draw(self, problems: PromptStream, source: Any) -> tuple[int, Any, int]:
         """The next prompt to generate, rendered (chat messages through the template), its position and how many
@@ -150,6 +156,8 @@ class LoopPhases:
         self.timeline.enter("generate")
         outputs = self.engine.step()
         stamp = self._clock.step(self.version)
+        # an environment's observation after a turn that ends here is stamped no older than the turn's tokens
+        self.policy.version = max(getattr(self.policy, "version", stamp), stamp)
         finished = False
         for out in outputs:
             if out.request_id.startswith(EVAL_PREFIX):

@@ -213,3 +213,26 @@ def test_admission_never_filters_a_reissued_prompt_nor_skips_with_none_ready_and
     assert len(runner.started) == 3 and problems.position == MAX_SKIPS_PER_DRAW + 1
     assert runner.started[-1][0] == f"g0-t-{MAX_SKIPS_PER_DRAW + 1}~{MAX_SKIPS_PER_DRAW}"
     assert gen.prompt_filter.skipped == MAX_SKIPS_PER_DRAW
+
+
+def test_admission_waits_while_an_evaluation_holds_back_a_due_swap() -> None:
+    """Groups admitted while held-out requests keep a due swap back would be born a version behind (issue 31)."""
+    gen, st, runner, client = Generator(staged=4), LoopState(), Runner(), Client(granted=3, live=4)
+    st.staged, st.eval_pending = 4, 1
+    gen._admit_phase(st, client, Problems(), SOURCE, runner, patience=1.0)
+    assert client.asked == [] and runner.started == [] and gen.loads == []
+    st.eval_pending = 0  # the evaluation finished: the swap comes first, then the groups, on the new version
+    assert gen._swap_phase(st) is True and gen.version == 4
+    gen._admit_phase(st, client, Problems(), SOURCE, runner, patience=1.0)
+    assert client.asked == [3] and len(runner.started) == 3
+
+
+def test_a_turn_finished_after_a_swap_stamps_its_observation_no_older_than_its_tokens() -> None:
+    """Observation tokens carry ``policy.version``; it was the version of the turn's request, older than the turn's
+    own tokens when a swap came mid-turn (issue 31)."""
+    gen, st, runner = Generator(), LoopState(), Runner()
+    gen.policy.version = 0  # the turn was requested at version 0
+    gen.version = 1  # swapped in while it ran
+    gen.engine.outputs = [output("g-0", [11], True)]
+    gen._step_phase(st, runner, rewards=None)
+    assert gen.policy.outputs[-1][3] == 1 and gen.policy.version == 1
