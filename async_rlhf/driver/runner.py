@@ -88,6 +88,7 @@ def train(cfg: Config, cluster: Cluster, run_dir: Path, resume: Path | None = No
     from async_rlhf.driver.progress_rates import TokenRate, fresh_evals
     from async_rlhf.driver.stopping import stop_reason
     from async_rlhf.evaluation import eval_label, eval_record, heldout_label
+    from async_rlhf.generator.prompt_fit import context_len, rollout_figures, too_long_warning
 
     run_dir.mkdir(parents=True, exist_ok=True)  # a bench's run in a fresh directory
     progress = TrainProgress.start(cfg, cluster, run_dir, resume)
@@ -109,6 +110,7 @@ def train(cfg: Config, cluster: Cluster, run_dir: Path, resume: Path | None = No
     acc = heldout_label(cfg)
     evals: list[dict[str, float]] = []  # every held-out evaluation written, in version order
     stopping = False
+    warned_too_long = False
     why: str | None = None
     try:
         pending = list(train_refs)
@@ -128,6 +130,9 @@ def train(cfg: Config, cluster: Cluster, run_dir: Path, resume: Path | None = No
                 at = max(ray.get([lr.current_step.remote() for lr in cluster.learners])) + 3
                 ray.get([lr.request_stop.remote(at) for lr in cluster.learners])
             gen_stats = progress.generator_stats(fleet)
+            if not warned_too_long and (line := too_long_warning(gen_stats, context_len(cfg))) is not None:
+                print(line, flush=True)  # once: prompts the context window has no room for are never trained
+                warned_too_long = True
             if records:
                 fleet.heal(records[-1]["version"])
             new = ray.get(cluster.learners[0].metrics_since.remote(len(records)))
@@ -154,6 +159,7 @@ def train(cfg: Config, cluster: Cluster, run_dir: Path, resume: Path | None = No
                     rec["sync/gen_coalesced"] = sum(float(s.get("sync/coalesced", 0.0)) for s in gen_stats)
                     rec["sync/gen_updates"] = sum(float(s.get("updates", 0.0)) for s in gen_stats)
                     rec["rollout/prompts_skipped"] = sum(float(s.get("prompts_skipped", 0.0)) for s in gen_stats)
+                    rec.update(rollout_figures(gen_stats))  # prompts_too_long, truncated (prompt_fit.py)
                 progress.before_write(rec)
                 writer.write(rec, rec["step"])
                 progress.after_write(rec)
@@ -208,6 +214,7 @@ def train(cfg: Config, cluster: Cluster, run_dir: Path, resume: Path | None = No
         "generator_stats": gen_final,
         "prompts_skipped": sum(int(s.get("prompts_skipped", 0)) for s in gen_final),
         "groups_generated": sum(int(s.get("groups", 0)) for s in gen_final),
+        "prompts_too_long": sum(int(s.get("prompts_too_long", 0)) for s in gen_final),
         "timelines": timelines,
         "fleet": {"events": fleet.events, **fleet.status()},
         "prompt_ledger": progress.ledger,
@@ -333,6 +340,7 @@ def run(cfg: Config, address: str | None = None, cache_root: Path = Path("runs/c
         # prompts passed over before generation (prompts.skip_uninformative), against groups generated
         "prompts_skipped": figures["prompts_skipped"],
         "groups_generated": figures["groups_generated"],
+        "prompts_too_long": figures.get("prompts_too_long", 0),  # no room in the context window (prompt_fit.py)
         "steps": int(records[-1]["step"]) if records else figures["first_step"],
         "steps_configured": cfg.train.steps,
         # the training/inference agreement monitor (learner/agreement.py) over the whole run

@@ -41,6 +41,7 @@ from async_rlhf.evaluation import score_eval_set
 from async_rlhf.generator.groups import GroupRunner
 from async_rlhf.generator.loop_phases import EVAL_PREFIX, LoopPhases, LoopState
 from async_rlhf.generator.prompt_filter import UninformativePromptFilter
+from async_rlhf.generator.prompt_fit import PromptFit, context_len
 from async_rlhf.generator.rollout import EnginePolicy
 from async_rlhf.generator.stream import PromptStream
 from async_rlhf.rewards.base import Completion
@@ -92,7 +93,9 @@ class GeneratorActor(LoopPhases):
         self.chat = ChatRenderer(self.tokenizer, cfg.prompts.chat_template, model_path)
         self.env = make_env(cfg.task)
         self.policy = EnginePolicy(self._add_turn_request, self._encode, self._decode,
-                                   cfg.generator.max_new_tokens, cfg.model.max_model_len)
+                                   cfg.generator.max_new_tokens, context_len(cfg))  # the engine's window
+        self._fit = PromptFit(context_len(cfg))
+        """Prompts without room in the context window are passed over, or the run stops (prompt_fit.py)."""
         self._groups: dict[str, Any] = {}
         """Prompt groups admitted and not yet put (``GroupRunner.groups`` while the loop runs)."""
         self.version = 0
@@ -107,6 +110,7 @@ class GeneratorActor(LoopPhases):
         self.counters: dict[str, float] = {
             "tokens": 0, "groups": 0, "samples": 0, "reward_sum": 0.0, "reward_errors": 0, "updates": 0,
             "update_failures": 0, "reward_timeouts": 0, "rewards_late": 0, "env_errors": 0,
+            "prompts_too_long": 0, "prompts_too_long_max_tokens": 0, "samples_truncated": 0,
         }
         self.prompt_filter: UninformativePromptFilter | None = None
         """Passes over prompts whose last groups taught nothing (prompts.skip_uninformative); made by run()."""

@@ -176,6 +176,14 @@ class GroupRunner:
             log.exception("generator %d: environment %s failed on group %s", self.generator, self.env.name, gid)
             self._fail(gid, f"env_error: {exc!r}", "env_errors")
             return
+        if all(t.finish_reason == "length" and not any(t.loss_mask) for t in trajs):
+            # the prompt left no room in the context window: empty completions, nothing to train (prompt_fit.py);
+            # _draw passes such prompts over, this is one it could not (a re-issued one, or none other ready)
+            self._fail(gid, "prompt_too_long", "prompts_too_long")
+            return
+        for t in trajs:  # legitimate, but a user should see the share (rollout/truncated)
+            if t.finish_reason == "length":
+                self.record("samples_truncated", gid, None, "")
         # the text, plus the token ids, finish reason and prompt ids a reward function may ask for (rewards/base.py)
         texts: list[str] = [Completion(t.text, t.token_ids, t.finish_reason, ids) for t in trajs]
         meta: dict[str, Any] = {"prompt": prompt.text, **prompt.data}

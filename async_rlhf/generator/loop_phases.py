@@ -13,6 +13,7 @@ from async_rlhf.buffer.client import with_retry
 from async_rlhf.generator.engine_args import prompt_inputs
 from async_rlhf.generator.groups import GroupRunner
 from async_rlhf.generator.prompt_filter import UninformativePromptFilter
+from async_rlhf.generator.prompt_fit import PromptFit
 from async_rlhf.generator.stream import PromptStream, group_id
 from async_rlhf.rewards.base import Completion
 
@@ -20,6 +21,9 @@ EVAL_PREFIX = "eval:"
 MAX_SKIPS_PER_DRAW = 64
 """Prompts passed over for one group at most (then the last one drawn is generated): bounds the loop's time when
 nearly every prompt is solved."""
+MAX_TOO_LONG_PER_DRAW = 1024
+"""Prompts without room in the context window passed over for one group at most (each is tokenized; the first
+``prompt_fit.STOP_AFTER`` of a generator that never saw one fit stop the run instead)."""
 UPDATE_POLL_S = 0.005
 """How often the loop asks the worker whether a new version has arrived (a collective_rpc round trip)."""
 
@@ -53,6 +57,8 @@ class LoopPhases:
     """When the engine last loaded a version (``time.monotonic``)."""
     chat: Any
     prompt_filter: UninformativePromptFilter | None
+    _fit: PromptFit
+    """Whether an encoded prompt leaves room in the engine's context window (``prompt_fit.py``)."""
 
     def _swap_due(self, staged: int, now: float) -> bool:
         """Whether to load the staged version now: every ``generator.min_swap_interval_s`` at most, unless
@@ -114,9 +120,9 @@ class LoopPhases:
                 self._load_version()
                 st.staged = None
         for _ in range(granted):
-            seq, prompt, passed_over = self._draw(problems, source)
+            seq, prompt, ids, passed_over = self._draw(problems, source)
             self._position = max(self._position, problems.position)
-            runner.start(group_id(self.gen_id, self._run_tag, seq, passed_over), prompt, self.chat.encode(prompt))
+            runner.start(group_id(self.gen_id, self._run_tag, seq, passed_over), prompt, ids)
         if granted:
             runner.pump()  # the new groups' first turns reach the engine
 
@@ -126,21 +132,35 @@ class LoopPhases:
         return bool(st.eval_pending and st.staged is not None and st.staged > self.version
                     and self._swap_due(st.staged, time.monotonic()))
 
-    def _draw(self, problems: PromptStream, source: Any) -> tuple[int, Any, int]:
-        """The next prompt to generate, rendered (chat messages through the template), its position and how many
-        prompts right before it were passed over. With a prompt filter, a drawn prompt it skips is replaced by
-        the next one while that one is ready now and next in the stream (at most ``MAX_SKIPS_PER_DRAW`` times):
-        the group's id then names the skipped positions, which the driver's ledger counts as used up. A
-        re-issued prompt (a resume's) is always generated."""
-        filt, passed_over = (self.prompt_filter if problems.reissue_left == 0 else None), 0
-        seq, prompt = next(problems)
-        prompt = self.chat.render(prompt)
-        while (filt is not None and passed_over < MAX_SKIPS_PER_DRAW and problems.next_is_contiguous
-               and source.prefetch(1) and not filt.admit(prompt)):
+    def _draw(self, problems: PromptStream, source: Any) -> tuple[int, Any, list[int], int]:
+        """The next prompt to generate, rendered (chat messages through the template), its token ids, its position
+        and how many prompts right before it were passed over. A drawn prompt is replaced by the next one, while
+        that one is ready now and next in the stream, when the prompt filter skips it (at most
+        ``MAX_SKIPS_PER_DRAW`` times) or when it leaves no room in the context window (``prompt_fit.py``; counted
+        in ``prompts_too_long``, at most ``MAX_TOO_LONG_PER_DRAW`` times): the group's id then names the passed
+        over positions, which the driver's ledger counts as used up. A re-issued prompt (a resume's) is always
+        generated; one too long is then dropped by the group runner (reason ``prompt_too_long``)."""
+        fresh = problems.reissue_left == 0
+        filt = self.prompt_filter if fresh else None
+        passed_over = skipped = too_long = 0
+
+        def can_pass() -> bool:  # the next draw is ready now and next in the stream (asked only when needed)
+            return fresh and problems.next_is_contiguous and bool(source.prefetch(1))
+
+        while True:
             seq, prompt = next(problems)
             prompt = self.chat.render(prompt)
+            if filt is not None and skipped < MAX_SKIPS_PER_DRAW and can_pass() and not filt.admit(prompt):
+                skipped += 1
+            else:
+                ids = self.chat.encode(prompt)
+                fits = self._fit.fits(ids)  # raises PromptsTooLong when no prompt has fitted yet
+                self.counters["prompts_too_long_max_tokens"] = self._fit.longest
+                if fits or too_long >= MAX_TOO_LONG_PER_DRAW or not can_pass():
+                    return seq, prompt, ids, passed_over
+                too_long += 1
+                self.counters["prompts_too_long"] = self.counters.get("prompts_too_long", 0) + 1
             passed_over += 1
-        return seq, prompt, passed_over
 
     def _step_phase(self, st: LoopState, runner: GroupRunner, rewards: Any) -> None:
         """One engine step: new tokens stamped with the version that computed them, finished held-out requests

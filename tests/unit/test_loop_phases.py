@@ -15,6 +15,7 @@ from async_rlhf.env.base import Prompt
 from async_rlhf.generator.engine_args import VersionClock
 from async_rlhf.generator.loop_phases import EVAL_PREFIX, MAX_SKIPS_PER_DRAW, LoopPhases, LoopState
 from async_rlhf.generator.prompt_filter import UninformativePromptFilter
+from async_rlhf.generator.prompt_fit import PromptFit, context_len
 from async_rlhf.generator.stream import PromptStream
 
 
@@ -54,6 +55,7 @@ class Generator(LoopPhases):
                                       flush=lambda: None)
         self.chat = SimpleNamespace(render=lambda p: Prompt(f"<{p.text}>"), encode=lambda p: [7, len(p.text)])
         self.prompt_filter: UninformativePromptFilter | None = None
+        self._fit = PromptFit(context_len(self.cfg))
         self._heldout_ids = [[1, 2], [3]]
         self._awaiting_first, self._groups, self._draining = False, {}, threading.Event()
         self._position, self._run_tag, self._clock = 0, "t", VersionClock(0)
