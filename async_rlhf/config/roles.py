@@ -36,6 +36,9 @@ class GeneratorConfig(Section):
     generators use the learner's cores while it waits for data and yield them while it computes."""
     enforce_eager: Literal["auto", "on", "off"] = "auto"
     """vLLM without CUDA graphs or compilation: on | off | auto (on for the CPU engine, off on GPU)."""
+    kv_block_size: Count = 0
+    """Tokens per KV-cache block (vLLM's block_size); 0: vLLM's default (128 on CPU, 16 on GPU). The prefix cache
+    shares whole blocks only, so a shared system prompt is reused from its first full block on."""
     gpu_memory_utilization: float = 0.0
     """Share of each GPU's memory vLLM may take (0-1); 0: auto (0.9 on a whole GPU, 0.9 x resources.generator_gpus
     on a shared one; the CPU engine ignores it)."""

@@ -149,7 +149,9 @@ class GeneratorActor(LoopPhases):
         self.llm.collective_rpc("init_receiver", args=(host, port, member_id, layout, sync.backend, sync.timeout_s,
                                                        sync.receive_buffers, push_min_gbps(self.cfg)))
         if not late:
-            self.llm.collective_rpc("join_push_group", args=(sync.timeout_s,))
+            # forming the first group is start-up (every member and the sender arrive when they are built):
+            # it has the start-up phase's budget, not the steady-state push timeout
+            self.llm.collective_rpc("join_push_group", args=(max(sync.timeout_s, self.cfg.run.startup_phase_s),))
         elif not self._running.is_set():
             with self._lock:
                 self._awaiting_first = True  # the loop receives the learner's next version first

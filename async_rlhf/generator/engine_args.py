@@ -62,6 +62,8 @@ def engine_kwargs(cfg: Any) -> dict[str, Any]:
     }
     if gen.update_mode == "in_flight":
         out["async_scheduling"] = False  # see the module docstring
+    if gen.kv_block_size:
+        out["block_size"] = gen.kv_block_size
     out["logprobs_mode"] = "processed_logprobs"  # the sampled distribution's log-probs (module docstring)
     if not on_gpu:  # in bytes: VLLM_CPU_KVCACHE_SPACE, which vLLM would prefer, takes whole GiB only
         out["kv_cache_memory_bytes"] = kv_cache_bytes(gen.kv_cache_gib)

@@ -163,7 +163,8 @@ class LearnerActor:
 
     def form_weight_sync(self, member_ids: list[str]) -> None:
         """Form the first epoch with every generator (each joins through ``init_weight_sync`` meanwhile)."""
-        self._pusher.sender.form(list(member_ids))
+        # start-up, not a push: the start-up phase's budget (generators may still be joining), see init_weight_sync
+        self._pusher.sender.form(list(member_ids), max(self.cfg.sync.timeout_s, self.cfg.run.startup_phase_s))
 
     def drop_generators(self, member_ids: list[str]) -> None:
         """The driver saw these generators' processes die: a push in flight aborts at once instead of waiting

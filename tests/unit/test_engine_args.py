@@ -16,6 +16,17 @@ def test_cpu_defaults_are_what_the_engine_always_got() -> None:
     assert engine_lag(kw, on_gpu=False) == 0
 
 
+def test_behaviour_logprobs_are_the_sampled_distributions_and_requests_are_salted_by_version() -> None:
+    """vLLM returns log-probs after temperature (the learner divides its logits by it too) on every device, and a
+    request's prefix-cache salt is the version it starts under: no prompt KV of older weights is reused."""
+    from async_rlhf.generator.engine_args import prompt_inputs
+
+    for extra in ([], ["resources.generator_gpus=1", "resources.learner_gpus=1"], ["generator.temperature=0.7"]):
+        assert engine_kwargs(load_config(None, extra))["logprobs_mode"] == "processed_logprobs"
+    assert prompt_inputs([5, 6], 3) == {"prompt_token_ids": [5, 6], "cache_salt": "v3"}
+    assert prompt_inputs([5, 6], 3)["cache_salt"] != prompt_inputs([5, 6], 4)["cache_salt"]
+
+
 def test_kv_cache_takes_fractions_of_a_gib_as_bytes_and_gpu_engines_size_their_own() -> None:
     """VLLM_CPU_KVCACHE_SPACE takes whole GiB only (vLLM int()s it): a fraction goes as kv_cache_memory_bytes."""
     from async_rlhf.generator.engine_args import engine_env
@@ -27,17 +38,6 @@ def test_kv_cache_takes_fractions_of_a_gib_as_bytes_and_gpu_engines_size_their_o
     assert "kv_cache_memory_bytes" not in gpu
     with pytest.raises(ConfigError):
         load_config(None, ["generator.kv_cache_gib=0"])
-
-
-def test_behaviour_logprobs_are_the_sampled_distributions_and_requests_are_salted_by_version() -> None:
-    """vLLM returns log-probs after temperature (the learner divides its logits by it too) on every device, and a
-    request's prefix-cache salt is the version it starts under: no prompt KV of older weights is reused."""
-    from async_rlhf.generator.engine_args import prompt_inputs
-
-    for extra in ([], ["resources.generator_gpus=1", "resources.learner_gpus=1"], ["generator.temperature=0.7"]):
-        assert engine_kwargs(load_config(None, extra))["logprobs_mode"] == "processed_logprobs"
-    assert prompt_inputs([5, 6], 3) == {"prompt_token_ids": [5, 6], "cache_salt": "v3"}
-    assert prompt_inputs([5, 6], 3)["cache_salt"] != prompt_inputs([5, 6], 4)["cache_salt"]
 
 
 def test_gpu_defaults_and_overrides() -> None:
@@ -118,3 +118,8 @@ def test_stamps_are_exact_under_a_lagged_engine(lag: int) -> None:
             assert stamp == true_version
             naive_wrong += true_version != live
     assert (naive_wrong > 0) == (lag > 0)  # stamping with the live version is wrong exactly when the engine lags
+
+
+def test_kv_block_size_is_vllms_default_unless_set() -> None:
+    assert "block_size" not in engine_kwargs(load_config(None, []))
+    assert engine_kwargs(load_config(None, ["generator.kv_block_size=32"]))["block_size"] == 32
