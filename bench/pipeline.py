@@ -68,7 +68,7 @@ TARGET = {"efficiency_at_least": 0.9, "quick_efficiency_at_least": 0.75, "async_
 QUICK_REASON = ("measured with --quick on the shared 2-core machine (issue 34): each role runs 5-25% slower beside "
                 "the other than alone (learner forward/backward 88 against 82 ms a step on tiny, 386 against 318 "
                 "on longtail; the generator busy 0.98 of the time on longtail yet at 0.78 of its rate alone), and "
-                "on tiny the generators have ~10% headroom over the learner in samples trained, so at the "
+                "on tiny the two capacities are within ~10% of each other in samples trained, so at the "
                 "staleness bound each waits for the other (learner data wait 16 against 5 ms a step, generator "
                 "busy 0.86); see learner_ms_per_step and each run's timeline.png")
 
