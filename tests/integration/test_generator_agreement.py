@@ -37,7 +37,8 @@ pytestmark = pytest.mark.integration
 
 TEMPERATURE = 0.7
 CONTEXT = 512
-LONG_PROMPT = 300  # > 2 blocks of 128 tokens
+BLOCK = 128  # vLLM's CPU KV-cache block (vllm/platforms/cpu.py: the default when none is given)
+LONG_PROMPT = 300  # > 2 blocks
 MAX_NEW = 8
 SAMPLES = 4
 START_S = 240.0
@@ -74,15 +75,17 @@ def _generator(model_dir: str, port: int, layout: list, cmds, out) -> None:
                 out.put(("swapped", {"version": actor.version, "failures": actor.counters["update_failures"]}))
             elif cmd == "generate":
                 calls += 1
-                rid = f"t{calls}"
-                actor._add_turn_request(rid, list(arg), MAX_NEW, SAMPLES)
-                got: dict[int, dict[str, list]] = {i: {"tokens": [], "logprobs": []} for i in range(SAMPLES)}
+                ids, n = arg
+                actor._add_turn_request(f"t{calls}", list(ids), MAX_NEW, n)
+                got: dict[int, dict[str, list]] = {i: {"tokens": [], "logprobs": []} for i in range(n)}
+                cached = 0  # prompt tokens vLLM took from its prefix cache
                 while actor.engine.has_unfinished_requests():
                     for o in actor.engine.step():
                         c = o.outputs[0]
                         got[c.index]["tokens"] += list(c.token_ids)
                         got[c.index]["logprobs"] += [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs or [])]
-                out.put(("generated", [got[i] for i in range(SAMPLES)]))
+                        cached = max(cached, o.num_cached_tokens or 0)
+                out.put(("generated", ([got[i] for i in range(n)], cached)))
         out.put(("bye", None))
     except Exception:
         out.put(("crash", traceback.format_exc()))
@@ -142,11 +145,13 @@ def generator(tmp_path_factory: pytest.TempPathFactory):
         sender.form(["gen0"], timeout_s=START_S)
         expect(out, "ready", START_S)
 
-        def generate(prompt: list[int]) -> list[dict[str, list]]:
-            cmds.put(("generate", prompt))
-            samples = expect(out, "generated", TIMEOUT_S)
+        def generate(prompt: list[int], n: int = SAMPLES) -> tuple[list[dict[str, list]], int]:
+            """n samples after ``prompt`` through the actor's request path, and the prompt tokens read from
+            vLLM's prefix cache."""
+            cmds.put(("generate", (prompt, n)))
+            samples, cached = expect(out, "generated", TIMEOUT_S)
             assert all(s["tokens"] for s in samples)
-            return samples
+            return samples, cached
 
         def push(weights: dict[str, torch.Tensor], version: int) -> None:
             sender.push(weights, version)
@@ -171,7 +176,7 @@ def _prompt(vocab: int, length: int, seed: int, avoid: int) -> list[int]:
 
 def test_behaviour_logprobs_are_those_of_the_tempered_distribution(generator: dict) -> None:
     prompt = _prompt(generator["vocab"], 12, seed=1, avoid=generator["eos"])
-    samples = generator["generate"](prompt)
+    samples, _ = generator["generate"](prompt)
     diff = worst(samples, tempered_logprobs(generator["model"], generator["base"], prompt, samples))
     print(f"max |vLLM - log_softmax(logits/{TEMPERATURE})| {diff:.2e} over {sum(len(s['tokens']) for s in samples)}"
           " sampled tokens")
@@ -181,11 +186,18 @@ def test_behaviour_logprobs_are_those_of_the_tempered_distribution(generator: di
 def test_a_swap_leaves_no_prompt_kv_of_the_old_weights_in_the_prefix_cache(generator: dict) -> None:
     prompt = _prompt(generator["vocab"], LONG_PROMPT + 20, seed=2, avoid=generator["eos"])[:LONG_PROMPT]
     assert len(prompt) == LONG_PROMPT
-    generator["generate"](prompt)  # v0 computes the prompt's blocks; vLLM keeps them in its prefix cache
+    whole_blocks = LONG_PROMPT // BLOCK * BLOCK
+    _, cached = generator["generate"](prompt)  # v0 computes the prompt's blocks; vLLM keeps them in its cache
+    _, cached = generator["generate"](prompt, 1)
+    assert cached == whole_blocks, "the prompt's whole blocks are shared within a version"
     g = torch.Generator().manual_seed(5)
     v1 = {n: t + 0.02 * torch.randn(t.shape, generator=g) for n, t in generator["base"].items()}
     generator["push"](v1, 1)
-    samples = generator["generate"](prompt)
-    diff = worst(samples, tempered_logprobs(generator["model"], v1, prompt, samples))
-    print(f"after the swap: max |vLLM - transformers(v1)| {diff:.2e} on a {LONG_PROMPT}-token prompt seen at v0")
+    first, cached_after_swap = generator["generate"](prompt, 1)
+    again, cached_again = generator["generate"](prompt)  # reads the blocks v1 computed just before
+    diff = max(worst(s, tempered_logprobs(generator["model"], v1, prompt, s)) for s in (first, again))
+    print(f"after the swap: max |vLLM - transformers(v1)| {diff:.2e} on a {LONG_PROMPT}-token prompt seen at v0; "
+          f"prompt tokens from the prefix cache: {cached_after_swap} at the first v1 request, {cached_again} after")
+    assert cached_after_swap == 0, f"the first request after the swap read {cached_after_swap} tokens of v0's KV"
     assert diff < 1e-4, f"tokens stamped v1 were computed from v0's cached prompt KV (max diff {diff:.3g})"
+    assert cached_again == whole_blocks, "v1's own blocks are shared again"
