@@ -10,7 +10,9 @@ reason), so the test reads what was actually scored rather than recomputing it:
 - vLLM stopped on the generation config's stop tokens (``<|end|>`` is not the tokenizer's eos);
 - vLLM's log-probs of the sampled tokens equal the learner's (at staleness 0 the behaviour weight
   exp(learner - vLLM) of every trained token is 1);
-- the exported policy keeps the chat template and the generation config.
+- the exported policy keeps the chat template and the generation config;
+- a quarter of the training prompts leave no room in the 64-token window: never generated nor scored, passed over
+  (their positions used up with the next group), counted, and named once in the driver's output with the fix.
 """
 
 from __future__ import annotations
@@ -49,13 +51,21 @@ def _messages(a: int, b: int) -> list[dict[str, str]]:
     return [{"role": "user", "content": f"What is {a}+{b}?"}]
 
 
+LONG = "Think it over very carefully, step by step. " * 12
+"""Every fourth training prompt starts with it: past model.max_model_len (64) after the chat template, no room."""
+
+
+def _train_messages(i: int, a: int, b: int) -> list[dict[str, str]]:
+    return [{"role": "user", "content": (LONG if i % 4 == 3 else "") + f"What is {a}+{b}?"}]
+
+
 @pytest.fixture(scope="module")
 def chat_run(tmp_path_factory: pytest.TempPathFactory, llama_bpe_dir: Path) -> dict:
     work = tmp_path_factory.mktemp("llama_chat")
     train = [(a, b) for a in range(3, 90, 7) for b in range(5, 90, 13)][:40]
     held = [(a, b) for a in range(1, 90, 17) for b in range(2, 90, 29)][:10]
-    (work / "train.jsonl").write_text("".join(json.dumps({"prompt": _messages(a, b), "split": "train"}) + "\n"
-                                              for a, b in train))
+    (work / "train.jsonl").write_text("".join(json.dumps({"prompt": _train_messages(i, a, b), "split": "train"})
+                                              + "\n" for i, (a, b) in enumerate(train)))
     (work / "eval.jsonl").write_text("".join(json.dumps({"prompt": _messages(a, b), "split": "eval"}) + "\n"
                                              for a, b in held))
     log = work / "rewards.jsonl"
@@ -153,3 +163,22 @@ def test_the_exported_policy_keeps_the_chat_template_and_generation_config(chat_
     policy = Path(json.loads((chat_run["run_dir"] / "summary.json").read_text())["policy_dir"])
     for name in ("chat_template.jinja", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
         assert (policy / name).read_bytes() == (chat_run["model"] / name).read_bytes(), name
+
+
+def test_prompts_without_room_are_passed_over_counted_and_named_once(chat_run: dict) -> None:
+    """Before: scored as "" (empty completions, finish "length") and trained without a word."""
+    assert chat_run["code"] == 0, chat_run["out"][-3000:]
+    scored = [c for c in chat_run["calls"] if c["split"] == "train"]
+    assert scored and not [c for c in scored if LONG.strip() in c["prompt"]], "a prompt without room was scored"
+    assert all(c["completion_ids"] for c in scored)
+    last = chat_run["records"][-1]
+    summary = json.loads((chat_run["run_dir"] / "summary.json").read_text())
+    assert summary["prompts_too_long"] >= last["rollout/prompts_too_long"] > 0, last
+    assert 0.0 <= last["rollout/truncated"] <= 1.0, last
+    warnings = [line for line in chat_run["out"].splitlines() if "leave no room in the context window" in line]
+    assert len(warnings) == 1 and warnings[0].startswith("warning: ") and "model.max_model_len" in warnings[0]
+    lines = [json.loads(x) for x in (chat_run["run_dir"] / "data_ledger.jsonl").read_text().splitlines()]
+    assert any("~" in g for x in lines for g in x["group_ids"]), "passed-over positions ride on a trained group"
+    print(f"prompts without room: {summary['prompts_too_long']} passed over or dropped of "
+          f"{summary['groups_generated']} groups generated; rollout/truncated {last['rollout/truncated']:.3f}; "
+          f"{warnings[0][:160]}")
