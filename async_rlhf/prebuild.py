@@ -113,6 +113,9 @@ def main() -> int:
         print(f"prebuild: vLLM model info of {', '.join(archs)} in {where}")
     except ImportError:  # an install without vLLM (never a CPU or GPU extra)
         print("prebuild: vLLM is not installed; no model info derived")
+    except Exception as exc:  # noqa: BLE001 - vLLM's registry is not a public API: a first run derives it instead
+        print(f"prebuild: warning: vLLM's model info not derived ({type(exc).__name__}: {exc}); the first run "
+              "derives it during its start-up")
     warm_matplotlib()
     print(f"prebuild: done in {time.perf_counter() - t0:.0f} s")
     return 0

@@ -66,8 +66,9 @@ class PromptFit:
         if not self.fitted and self.seen_too_long >= self.stop_after:
             raise PromptsTooLong(
                 f"the first {self.seen_too_long} prompts all leave no room in the context window "
-                f"(model.max_model_len={self.context}; prompts of up to {self.longest} tokens after the chat "
-                f"template): nothing could be generated; {fix_hint(self.context, self.longest)}")
+                f"(a window of {self.context} tokens: generator.max_model_len, else model.max_model_len; prompts of "
+                f"up to {self.longest} tokens after the chat template): nothing could be generated; "
+                f"{fix_hint(self.context, self.longest)}")
         return False
 
 

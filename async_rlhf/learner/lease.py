@@ -71,6 +71,9 @@ class LeaseKeeper:
                     log.warning("could not renew the lease on %d groups: %s", len(ids), exc)
                     continue
                 self.renewals += 1
+                # ids acknowledged (done) while the renewal was on its way are gone from the buffer as they should be
+                still = set(self.held())
+                lost = [gid for gid in lost if gid in still]
                 if lost:
                     log.warning("the buffer no longer delivers %d held groups to this learner: %s", len(lost),
                                 lost[:5])

@@ -61,7 +61,8 @@ def test_a_reissued_prompt_without_room_is_started_for_the_runner_to_drop() -> N
 
 def test_a_run_where_no_prompt_fits_stops_naming_the_fix_but_one_that_fitted_goes_on() -> None:
     gen, runner = long_aware(Generator()), Runner()
-    with pytest.raises(PromptsTooLong, match=r"model.max_model_len=64.*100 tokens.*generator.max_model_len"):
+    named = r"a window of 64 tokens: generator.max_model_len, else model.max_model_len.*100 tokens"
+    with pytest.raises(PromptsTooLong, match=named):
         gen._admit_phase(LoopState(), Client(granted=1), stream("L0"), SOURCE, runner, 1.0)
     assert gen.counters["prompts_too_long"] == STOP_AFTER - 1 and runner.started == []
     gen2, runner2 = long_aware(Generator()), Runner()
