@@ -34,7 +34,7 @@ from typing import Any
 
 from async_rlhf.config import Config
 from async_rlhf.learner.dpo_update import online_dpo_update
-from async_rlhf.learner.ranks import max_over_ranks, reduce_across_ranks, sum_over_ranks
+from async_rlhf.learner.ranks import max_over_ranks, max_tensor_over_ranks, reduce_across_ranks, sum_over_ranks
 from async_rlhf.timeline import Timeline
 
 log = logging.getLogger(__name__)
@@ -220,7 +220,6 @@ class LearnerActor:
         from async_rlhf.buffer.build import make_client
         from async_rlhf.buffer.client import with_retry
         from async_rlhf.checkpoint_layout import staging_dir
-        from async_rlhf.learner.agreement import all_reduce_max, all_reduce_sum
         from async_rlhf.learner.checkpoint_trigger import CheckpointTrigger
         from async_rlhf.learner.lease import LeaseKeeper
         from async_rlhf.learner.objectives import correction_saturated
@@ -280,7 +279,7 @@ class LearnerActor:
                     }
                     agreement = self._agreement  # the training/inference agreement monitor of this step
                     if self.world_size > 1:
-                        agreement.reduce(all_reduce_sum, all_reduce_max)  # token-weighted over every rank
+                        agreement.reduce(sum_over_ranks, max_tensor_over_ranks)  # token-weighted over every rank
                     record.update(agreement.metrics())
                     if self.world_size > 1:
                         reduce_across_ranks(record)

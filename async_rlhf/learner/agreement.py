@@ -102,23 +102,3 @@ class Agreement:
             out[f"{PREFIX}is_ratio_mean"] = self.ratio_sum / self.ratio_tokens
         return out
 
-
-def all_reduce_sum(t: Tensor) -> None:
-    """Sum over the learner ranks, in place."""
-    _all_reduce(t, "SUM")
-
-
-def all_reduce_max(t: Tensor) -> None:
-    """Maximum over the learner ranks, in place."""
-    _all_reduce(t, "MAX")
-
-
-def _all_reduce(t: Tensor, op: str) -> None:
-    import torch.distributed as dist
-
-    from async_rlhf.learner.ranks import group_device
-
-    on_group = t.to(group_device())
-    dist.all_reduce(on_group, op=getattr(dist.ReduceOp, op))
-    if on_group is not t:
-        t.copy_(on_group)

@@ -44,12 +44,21 @@ def reduce_across_ranks(record: dict[str, Any]) -> None:
 
 def sum_over_ranks(counts: Any) -> None:
     """Sum a small CPU tensor over the learner ranks, in place."""
+    _all_reduce_in_place(counts, "SUM")
+
+
+def max_tensor_over_ranks(values: Any) -> None:
+    """Element-wise maximum of a small CPU tensor over the learner ranks, in place."""
+    _all_reduce_in_place(values, "MAX")
+
+
+def _all_reduce_in_place(t: Any, op: str) -> None:
     import torch.distributed as dist
 
-    on_group = counts.to(group_device())
-    dist.all_reduce(on_group, op=dist.ReduceOp.SUM)
-    if on_group is not counts:
-        counts.copy_(on_group)
+    on_group = t.to(group_device())
+    dist.all_reduce(on_group, op=getattr(dist.ReduceOp, op))
+    if on_group is not t:
+        t.copy_(on_group)
 
 
 def max_over_ranks(value: int) -> int:

@@ -26,18 +26,23 @@ def _rank(rank: int, port: int, out: "mp.Queue") -> None:
     dist.destroy_process_group()
 
 
-def test_records_are_reduced_across_ranks() -> None:
+def _two_ranks(target) -> dict:
+    """Run ``target(rank, port, out)`` in two spawned processes forming one gloo group; ``{rank: what it put}``."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, port, out)) for r in range(2)]
+    procs = [ctx.Process(target=target, args=(r, port, out)) for r in range(2)]
     for p in procs:
         p.start()
     try:
-        got = dict(out.get(timeout=120) for _ in procs)
+        return dict(out.get(timeout=120) for _ in procs)
     finally:
         for p in procs:
             stop_process(p)
+
+
+def test_records_are_reduced_across_ranks() -> None:
+    got = _two_ranks(_rank)
     assert got[0] == got[1], "every rank ends with the same record"
     rec = got[0]
     assert rec["rollout/samples"] == 128 and rec["rollout/tokens"] == 201
@@ -50,7 +55,8 @@ def _agreement_rank(rank: int, port: int, out: "mp.Queue") -> None:
     import torch
     import torch.distributed as dist
 
-    from async_rlhf.learner.agreement import Agreement, all_reduce_max, all_reduce_sum
+    from async_rlhf.learner.agreement import Agreement
+    from async_rlhf.learner.ranks import max_tensor_over_ranks, sum_over_ranks
 
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     dist.init_process_group("gloo", rank=rank, world_size=2)
@@ -63,23 +69,13 @@ def _agreement_rank(rank: int, port: int, out: "mp.Queue") -> None:
         versions, mask = torch.tensor([[2, 0], [1, 0]]), torch.tensor([[1.0, 0.0], [1.0, 0.0]])
     a.observe(logp, behav, versions, mask)
     a.observe_sampled(behav, mask)
-    a.reduce(all_reduce_sum, all_reduce_max)
+    a.reduce(sum_over_ranks, max_tensor_over_ranks)
     out.put((rank, a.metrics()))
     dist.destroy_process_group()
 
 
 def test_the_agreement_monitor_is_token_weighted_over_ranks() -> None:
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_agreement_rank, args=(r, port, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        got = dict(out.get(timeout=120) for _ in procs)
-    finally:
-        for p in procs:
-            stop_process(p)
+    got = _two_ranks(_agreement_rank)
     assert got[0] == got[1], "every rank ends with the same figures"
     m = got[0]
     assert m["rollout/same_version_tokens"] == 4
