@@ -70,6 +70,9 @@ class LearnerActor:
 
         self.placer = Placer(rank_device())  # every input, the reference and reward models go there
         self.rank, self.world_size, self.cfg = rank, world_size, cfg
+        many = world_size > 1  # the collectives over the ranks a step's statistics and lockstep need (else None)
+        self._sum_ranks = sum_over_ranks if many else None
+        self._max_ranks = max_over_ranks if many else None
         self.model_path = model_path
         self.buffer_address = buffer_address
         dtype = getattr(torch, cfg.model.dtype)
@@ -233,7 +236,7 @@ class LearnerActor:
         patience = cfg.buffer.redis_retry_s + cfg.buffer.request_timeout_s
         share = cfg.train.batch_size // self.world_size
         ckpt = CheckpointTrigger(cfg.run.checkpoint_every, cfg.run.checkpoint_every_s, any_rank=(
-            (lambda due: max_over_ranks(int(due)) > 0) if self.world_size > 1 else None))
+            (lambda due: max_over_ranks(int(due)) > 0) if self._max_ranks else None))
         self.engine.train()
         try:
             for _ in range(steps):
@@ -312,8 +315,7 @@ class LearnerActor:
         the whole step: every rank's groups)."""
         from async_rlhf.learner.batch import collate
 
-        reduce = sum_over_ranks if self.world_size > 1 else None
-        return self.placer.batch(collate(groups, self.pad_id, self.cfg.train.advantage, reduce))
+        return self.placer.batch(collate(groups, self.pad_id, self.cfg.train.advantage, self._sum_ranks))
 
     def _update(self, batch: Any, group_sizes: list[int] | None = None) -> dict[str, float]:
         """``train.minibatches`` optimizer steps on one batch; returns metrics averaged over them (max of maxima).
@@ -346,7 +348,7 @@ class LearnerActor:
         if self.cfg.train.algorithm == "online_dpo":
             sizes = group_sizes or [batch.input_ids.shape[0]]
             return online_dpo_update(self.engine, self.ref_model, self.cfg, batch, sizes, self._phase,
-                                     self._optimizer_step, max_over_ranks if self.world_size > 1 else None)
+                                     self._optimizer_step, self._max_ranks)
         lc = self.cfg.learner
         # log-probs of the distribution the generators sampled from: logits / generator.temperature
         opts = ForwardOptions(lc.pack, lc.logprob_chunk_tokens, lc.max_tokens_per_micro_batch,
@@ -356,7 +358,7 @@ class LearnerActor:
         every = torch.arange(n)
         prox_all = None
         # ZeRO-3 gathers the parameters in every forward: ranks agree on the count of no-grad forwards too
-        agree = max_over_ranks if self.world_size > 1 and lc.zero_stage == 3 else None
+        agree = self._max_ranks if lc.zero_stage == 3 else None
         if k > 1 and obj.kind not in ("ppo", "decoupled_ppo_interp"):
             with self._phase("forward_backward"):
                 prox_all = logprobs_no_grad(self.engine, batch, every, opts, agree)
@@ -368,17 +370,16 @@ class LearnerActor:
             with self._phase("forward_backward"):
                 targets = self.ppo.prepare(batch, (lambda: logprobs_no_grad(ref, batch, every, opts))
                                            if ref is not None else None,
-                                           sum_over_ranks if self.world_size > 1 else None)
+                                           self._sum_ranks)
             adv = targets.advantages
-        reduce = sum_over_ranks if self.world_size > 1 else None
         per_step: list[dict[str, float]] = []
         for j, idx in enumerate(every.chunk(k)):
             with self._phase("forward_backward"):
-                norm = step_norm(batch.loss_mask[idx], self.cfg.generator.max_new_tokens, self.world_size, reduce)
+                norm = step_norm(batch.loss_mask[idx], self.cfg.generator.max_new_tokens, self.world_size,
+                                 self._sum_ranks)
                 parts = plan_micro_batches(batch.attention_mask[idx].sum(dim=1).tolist(), opts.max_tokens, opts.pack)
                 # every rank runs as many forwards and backwards (ZeRO-2/3 reduce in each backward)
-                plan = in_step([[int(idx[i]) for i in part] for part in parts],
-                               max_over_ranks if reduce is not None else None)
+                plan = in_step([[int(idx[i]) for i in part] for part in parts], self._max_ranks)
                 # the first minibatch's forwards run at the step's starting weights (unless prox_all did)
                 step = PolicyStep(adv, prox_all, self.version + j / k, self.version,
                                   agreement if j == 0 and prox_all is None else None)

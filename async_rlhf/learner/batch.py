@@ -94,8 +94,7 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, chunk_tokens: 
     the gradient chunk by chunk, so only the logits and their gradient are ever full size. Same values.
     """
     if chunk_tokens <= 0:
-        x = logits[:, :-1].float()
-        logp = torch.log_softmax(x if temperature == 1.0 else x / temperature, dim=-1)
+        logp = torch.log_softmax(_tempered(logits[:, :-1].float(), temperature), dim=-1)
         return logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
     n, length, vocab = logits.shape
     # every position of the contiguous [N*L, V] view (no copy); the last column predicts nothing and is dropped
