@@ -4,7 +4,6 @@ row that measured nothing (a rate of 0) or a bench that failed turned into an er
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -89,7 +88,6 @@ def test_main_runs_each_bench_and_writes_one_json(all_bench: Any, tmp_path: Path
     good, bad = data["benches"]
     assert (good["name"], good["holds"], good["target"], good["error"]) == ("good", True, "fast", None)
     assert bad["holds"] is False and "measured 0 events" in bad["error"] and bad["rows"] == []
-    assert sys.executable  # the benches ran with this interpreter
 
 
 def test_weight_sync_states_its_quick_target_and_reads_the_flat_median(load_bench: Any) -> None:

@@ -53,7 +53,14 @@ def test_machine_record_has_cpu_cores_and_load_before_and_after(machine: Any) ->
 
 def test_cpu_model_reads_cpuinfo(machine: Any) -> None:
     assert machine.cpu_model("processor\t: 0\nmodel name\t: AMD EPYC 7B13\n") == "AMD EPYC 7B13"
-    assert machine.cpu_model("processor\t: 0\n")  # falls back to platform, never empty
+
+
+def test_cpu_model_falls_back_to_platform_then_unknown(machine: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(machine.platform, "processor", lambda: "")
+    monkeypatch.setattr(machine.platform, "machine", lambda: "x86_64")
+    assert machine.cpu_model("processor\t: 0\n") == "x86_64"
+    monkeypatch.setattr(machine.platform, "machine", lambda: "")
+    assert machine.cpu_model("processor\t: 0\n") == "unknown"
 
 
 def test_git_commit_is_head_and_says_when_the_tree_differs(machine: Any, tmp_path: Path) -> None:

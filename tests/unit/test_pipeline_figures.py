@@ -25,17 +25,18 @@ def test_steady_rate_skips_the_first_fifth(bench: Any) -> None:
 
 def test_summary_divides_by_the_smaller_capacity_and_picks_generator_bound_busy(bench: Any) -> None:
     def variant(gen: float, learn: float, pipe: float, busy: float, sync: float) -> dict[str, Any]:
-        bound = min(gen, learn)
-        return {"standalone": {"generator_samples_per_s": gen, "learner_samples_per_s": learn},
-                "bound_samples_per_s": bound, "bottleneck": "generator" if gen <= learn else "learner",
-                "efficiency": pipe / bound, "async_over_sync": pipe / sync,
-                "async": {"generator_busy_fraction": busy}}
+        """What run_variant records: the standalone capacities, the runs and bench.compare's figures of them
+        (every group kept: samples trained = samples generated)."""
+        alone = {"generator_samples_per_s": gen, "learner_samples_per_s": learn}
+        asyn = {"samples_per_s": pipe, "generated_samples_per_s": pipe, "generator_busy_fraction": busy}
+        return {"standalone": alone, "async": asyn, **bench.compare(alone, asyn, {"samples_per_s": sync})}
 
     out = bench.summarize({"tiny": variant(100, 300, 95, 0.97, 60), "longtail": variant(50, 40, 36, 0.7, 20)}, "1")
     assert out["efficiency_tiny"] == pytest.approx(0.95)
     assert out["efficiency_longtail"] == pytest.approx(0.9)
     assert out["async_over_sync_longtail"] == pytest.approx(1.8)
     assert out["generator_busy_fraction"] == pytest.approx(0.97)  # longtail is learner-bound: not counted
+    assert out["holds"] is True and bench.summarize({"tiny": variant(100, 300, 80, 0.97, 60)}, "1")["holds"] is False
     assert out["standalone_learner_samples_per_s_longtail"] == 40
 
 
