@@ -80,7 +80,7 @@ class Bench:
     rows: Callable[[dict[str, Any]], list[dict[str, Any]]]
     rate_keys: tuple[str, ...]  # a row with 0 (or less) in one of these measured nothing
     quick: list[str] = field(default_factory=list)
-    full: list[str] = field(default_factory=list)
+    """Arguments of its --quick run (the full run takes the script's defaults)."""
 
 
 BENCHES = [
@@ -134,7 +134,7 @@ def entry(bench: Bench, data: dict[str, Any] | None, seconds: float, error: str 
 def run(bench: Bench, quick: bool, scratch: Path, timeout_s: float, extra: list[str] = ()) -> dict[str, Any]:
     out = scratch / bench.name / "results.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, str(ROOT / "bench" / bench.script), *(bench.quick if quick else bench.full), *extra,
+    cmd = [sys.executable, str(ROOT / "bench" / bench.script), *(bench.quick if quick else []), *extra,
            "--out", str(out)]
     print(f"== {bench.name}: {' '.join(cmd[1:])}", flush=True)
     t0 = time.time()

@@ -184,9 +184,8 @@ def raw_zmq_consumer(address: str, window: Window, out: Any, bind: bool = True) 
     out.put(("consumers", 0, [], cpu.stop()))
 
 
-def raw_zmq_relay(pull_address: str, push_address: str, window: Window, out: Any) -> None:
-    """A broker that does nothing but forward: PULL from producers, PUSH to consumers (no id, no check, no
-    store, no acknowledgement). The floor of any broker between processes on this machine."""
+def relay_sockets(pull_address: str, push_address: str) -> tuple[Any, Any]:
+    """A relay's two bound sockets: PULL from the producers, PUSH to the consumers."""
     import zmq
 
     ctx = zmq.Context()
@@ -194,6 +193,28 @@ def raw_zmq_relay(pull_address: str, push_address: str, window: Window, out: Any
     for sock, address in ((pull, pull_address), (push, push_address)):
         sock.setsockopt(zmq.LINGER, 0)
         sock.bind(address)
+    return pull, push
+
+
+def forward(push: Any, frame: Any, window: Window, copy: bool) -> None:
+    """Send one frame on, waiting for the consumers while the window is open (they stop when it closes: never
+    block past it)."""
+    import zmq
+
+    while not window.closed():
+        try:
+            push.send(frame, zmq.NOBLOCK, copy=copy)
+            return
+        except zmq.Again:
+            push.poll(10, zmq.POLLOUT)
+
+
+def raw_zmq_relay(pull_address: str, push_address: str, window: Window, out: Any) -> None:
+    """A broker that does nothing but forward: PULL from producers, PUSH to consumers (no id, no check, no
+    store, no acknowledgement). The floor of any broker between processes on this machine."""
+    import zmq
+
+    pull, push = relay_sockets(pull_address, push_address)
     cpu = CpuWindow(window)
     while not window.closed():
         cpu.tick()
@@ -203,12 +224,7 @@ def raw_zmq_relay(pull_address: str, push_address: str, window: Window, out: Any
                     frame = pull.recv(zmq.NOBLOCK, copy=False)
                 except zmq.Again:
                     break
-                while not window.closed():  # consumers stop then: never block past it
-                    try:
-                        push.send(frame, zmq.NOBLOCK, copy=False)
-                        break
-                    except zmq.Again:
-                        push.poll(10, zmq.POLLOUT)
+                forward(push, frame, window, copy=False)
     out.put(("service", 0, [], cpu.stop()))
     pull.close(0)
     push.close(0)
@@ -255,11 +271,7 @@ def raw_redis_relay(url: str, stream: str, pull_address: str, push_address: str,
     import zmq
 
     r = redis.Redis.from_url(url)
-    ctx = zmq.Context()
-    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
-    for sock, address in ((pull, pull_address), (push, push_address)):
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.bind(address)
+    pull, push = relay_sockets(pull_address, push_address)
     cpu = CpuWindow(window)
     while not window.closed():
         cpu.tick()
@@ -282,12 +294,7 @@ def raw_redis_relay(url: str, stream: str, pull_address: str, push_address: str,
         r.xack(stream, "g", *(sid for sid, _ in entries))
         r.xdel(stream, *(sid for sid, _ in entries))
         for _, data in entries:
-            while not window.closed():  # consumers stop when the window closes: never block past it
-                try:
-                    push.send(data, zmq.NOBLOCK, copy=len(data) < 65536)
-                    break
-                except zmq.Again:
-                    push.poll(10, zmq.POLLOUT)
+            forward(push, data, window, copy=len(data) < 65536)
     out.put(("service", 0, [], cpu.stop()))
     pull.close(0)
     push.close(0)

@@ -444,8 +444,9 @@ def main() -> None:
         report(rows[-1])
         out.write_text(json.dumps(result(), indent=2))
     finish(machine)
-    out.write_text(json.dumps(result(), indent=2))
-    print(f"\ntarget: {target_line}: {'holds' if result()['holds'] else 'MISSED'}")
+    final = result()
+    out.write_text(json.dumps(final, indent=2))
+    print(f"\ntarget: {target_line}: {'holds' if final['holds'] else 'MISSED'}")
     print(describe(machine, commit))
     print(f"written {out} and the curves beside it")
 

@@ -347,17 +347,21 @@ HEADER = (f"{'params':>6} {'dtype':<8} {'layout':<10} {'storage':<8} {'rx':>3} {
           f"{'GB/s':>6} {'raw_cpu':>7} {'pushcpu':>7}")
 
 
+TARGET = {"flat_median_ratio_at_least": 0.9, "quick_flat_median_ratio_at_least": 0.8, "pause_over_raw_at_most": 1.2}
+
+
 def check_targets(rows: list[dict]) -> list[str]:
     """The issue's targets, as lines of text (met or missed)."""
     out = []
     for r in rows:
         name = f"{r['params'] / UNIT:.0f}M {r['dtype']} {r['layout']} {r['storage']} x{r['receivers']}"
-        if r["ratio"] < 0.9:
+        least, pause = TARGET["flat_median_ratio_at_least"], TARGET["pause_over_raw_at_most"]
+        if r["ratio"] < least:
             lo, hi = r["ratio_interval"]
-            out.append(f"MISSED ratio >= 0.9: {name}: {r['ratio']:.2f} (90% interval {lo:.2f}-{hi:.2f}"
-                       f"{', within noise' if hi >= 0.9 else ''})")
-        if r["pause_s"] > 1.2 * r["raw_s"]:
-            out.append(f"MISSED pause <= 1.2x raw: {name}: {r['pause_s'] / r['raw_s']:.2f}x")
+            out.append(f"MISSED ratio >= {least}: {name}: {r['ratio']:.2f} (90% interval {lo:.2f}-{hi:.2f}"
+                       f"{', within noise' if hi >= least else ''})")
+        if r["pause_s"] > pause * r["raw_s"]:
+            out.append(f"MISSED pause <= {pause}x raw: {name}: {r['pause_s'] / r['raw_s']:.2f}x")
     pairs: dict[tuple, dict[str, dict]] = {}
     for r in rows:
         pairs.setdefault((r["params"], r["dtype"], r["storage"], r["receivers"]), {})[r["layout"]] = r
@@ -377,7 +381,6 @@ def check_targets(rows: list[dict]) -> list[str]:
     return out or ["all targets met"]
 
 
-TARGET = {"flat_median_ratio_at_least": 0.9, "quick_flat_median_ratio_at_least": 0.8, "pause_over_raw_at_most": 1.2}
 QUICK_REASON = ("--quick measures 1 M and 10 M parameters only: 1-20 ms transfers, against which the push's fixed "
                 "work per push (resolving named tensors, the joiner check, the control plane: push_s - broadcast_s "
                 "- ack_wait_s, 0.2-1.5 ms here) and its 30-50% more CPU than the raw transfer on 2 shared cores "
@@ -389,8 +392,9 @@ def target_text(quick: bool) -> str:
     return (f"raw_s / push_s (the same bytes on the same group, like with like): median over the flat-storage "
             f"rows >= {least} (what every learner we ship sends from; separate storage is packed on the same 2 "
             f"cores and is reported, not held to it), and every row's generator pause <= "
-            f"{TARGET['pause_over_raw_at_most']}x the raw transfer" + (f" (0.8, not 0.9: {QUICK_REASON})"
-                                                                         if quick else ""))
+            f"{TARGET['pause_over_raw_at_most']}x the raw transfer" + (
+                f" ({TARGET['quick_flat_median_ratio_at_least']}, not {TARGET['flat_median_ratio_at_least']}: "
+                f"{QUICK_REASON})" if quick else ""))
 
 
 def summary_target(rows: list[dict], quick: bool = False) -> tuple[bool, str]:
@@ -447,15 +451,16 @@ def main(argv: list[str] | None = None) -> int:
                 print(fmt_row(row), flush=True)
     print(f"({time.time() - t0:.0f}s; medians of alternating repetitions; GB/s = push bytes / push_s; *_cpu: CPU ms "
           "summed over sender and receivers)")
-    for line in check_targets(rows):
+    checks, target = check_targets(rows), target_text(args.quick)
+    for line in checks:
         print(line)
     holds, line = summary_target(rows, args.quick)
-    print(f"target: {target_text(args.quick)}\n{line}")
+    print(f"target: {target}\n{line}")
     print(describe(finish(machine), commit))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(stamp({"rows": rows, "target": target_text(args.quick), "holds": holds,
-                                              "target_line": line, "checks": check_targets(rows)},
+        args.out.write_text(json.dumps(stamp({"rows": rows, "target": target, "holds": holds,
+                                              "target_line": line, "checks": checks},
                                              machine, commit), indent=1))
     return 0
 
