@@ -98,6 +98,32 @@ def module_process_group():
     os.environ.update(saved)
 
 
+def sequence_logprobs(model, seqs: list[list[int]], temperature: float = 1.0) -> list[list[float]]:
+    """A transformers model's log-prob of every token after the first of each sequence, in float32, of
+    softmax(logits / temperature): the reference vLLM's log-probs are checked against (one forward per sequence,
+    so they may differ in length)."""
+    import torch
+
+    out = []
+    with torch.no_grad():
+        for seq in seqs:
+            logits = model(torch.tensor([seq])).logits[0].float()
+            logp = torch.log_softmax(logits if temperature == 1.0 else logits / temperature, -1)
+            out.append([logp[i - 1, seq[i]].item() for i in range(1, len(seq))])
+    return out
+
+
+def wait_for(cond, what: str, timeout_s: float = 240.0) -> None:
+    """Poll ``cond`` every 0.2 s until it holds; TimeoutError naming ``what`` after ``timeout_s``."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting for {what}")
+        time.sleep(0.2)
+
+
 def stop_process(proc, grace_s: float = 5.0) -> None:
     """Join a child process; terminate, then kill it if it outlives ``grace_s`` at each stage."""
     proc.join(timeout=grace_s)

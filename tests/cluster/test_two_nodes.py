@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import sequence_logprobs
 from nodes import DASHBOARD_PORT, GCS_PORT, PY, ROOT, TwoNodes, build_namespaces, remove_namespaces
 from nodes import RAY as RAY_BIN
 
@@ -103,11 +104,9 @@ def check_logprobs(job: dict[str, Any]) -> None:
     final = job["records"][-1]["version"]
     scored = [lp for lp, v in zip(job["vllm_logprobs"], job["generator_versions"]) if lp is not None and v == final]
     assert scored, f"no generator serves the final version {final}: {job['generator_versions']}"
+    wanted = sequence_logprobs(model, job["sequences"])  # the learner's weights, once for every generator
     for gen_logprobs in scored:
-        for seq, got in zip(job["sequences"], gen_logprobs):
-            with torch.no_grad():
-                logp = torch.log_softmax(model(torch.tensor([seq])).logits[0].float(), -1)
-            want = [logp[i - 1, seq[i]].item() for i in range(1, len(seq))]
+        for seq, got, want in zip(job["sequences"], gen_logprobs, wanted):
             assert max(abs(a - b) for a, b in zip(got, want)) < 1e-4
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import sequence_logprobs
 
 from async_rlhf.config import load_config
 
@@ -64,11 +65,9 @@ def test_pushed_weights_match_learner_in_vllm(finished_run: dict[str, Any]) -> N
 
     model = AutoModelForCausalLM.from_pretrained(finished_run["policy"], dtype=torch.float32).eval()
     assert model.config.tie_word_embeddings
+    wanted = sequence_logprobs(model, finished_run["sequences"])  # the learner's weights, once for every generator
     for gen_logprobs in finished_run["vllm_logprobs"]:
-        for seq, got in zip(finished_run["sequences"], gen_logprobs):
-            with torch.no_grad():
-                logp = torch.log_softmax(model(torch.tensor([seq])).logits[0].float(), -1)
-            want = [logp[i - 1, seq[i]].item() for i in range(1, len(seq))]
+        for seq, got, want in zip(finished_run["sequences"], gen_logprobs, wanted):
             diff = max(abs(a - b) for a, b in zip(got, want))
             assert diff < 1e-4, f"vLLM and the learner disagree by {diff} on {seq}"
 

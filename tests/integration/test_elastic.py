@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import wait_for
 
 from async_rlhf.config import load_config
 from async_rlhf.generator.stream import key_of_group
@@ -25,14 +26,6 @@ pytestmark = pytest.mark.integration
 
 MAX_STEPS = 100_000  # an upper bound: the scenario stops the run once it has played out
 IN_FLIGHT = 4
-
-
-def wait_for(cond, what: str, timeout_s: float = 240.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out waiting for {what}")
-        time.sleep(0.2)
 
 
 def scenario(box: dict[str, Any], cluster: Any, log: list[tuple[str, int, float]]) -> None:

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-from conftest import stop_process
+from conftest import sequence_logprobs, stop_process
 from vllm_engine import HOST, expect
 
 from async_rlhf.sync.group import free_port
@@ -110,15 +110,11 @@ def _long_context_model(tmp: Path) -> Path:
 def tempered_logprobs(model, weights: dict[str, torch.Tensor], prompt: list[int],
                       samples: list[dict[str, list]]) -> list[list[float]]:
     """log_softmax(logits / TEMPERATURE) of each sample's tokens after ``prompt``, by transformers in fp32."""
-    out = []
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(weights[name])
-        for s in samples:
-            ids = torch.tensor([prompt + s["tokens"]])
-            logp = torch.log_softmax(model(input_ids=ids).logits[0].float() / TEMPERATURE, dim=-1)
-            out.append([logp[len(prompt) - 1 + i, t].item() for i, t in enumerate(s["tokens"])])
-    return out
+    whole = sequence_logprobs(model, [prompt + s["tokens"] for s in samples], TEMPERATURE)
+    return [logp[len(prompt) - 1:] for logp in whole]
 
 
 def worst(samples: list[dict[str, list]], want: list[list[float]]) -> float:

@@ -16,11 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-from conftest import stop_process
+from conftest import joins_noticed, stop_process
 from test_weight_sync_vllm import ENGINE_START_S, TIMEOUT_S, _engine, layout_of, perturbed, reference_logprobs
 from vllm_engine import HOST, expect, max_diff
 
-from async_rlhf.sync import protocol as P
 from async_rlhf.sync.group import free_port
 from async_rlhf.sync.layout import layout_from_wire
 from async_rlhf.sync.sender import Sender
@@ -29,10 +28,10 @@ pytestmark = pytest.mark.integration
 
 
 def _wait_for_joiner(sender: Sender, timeout_s: float) -> None:
-    """Until the sender saw a join request on the push group's store (the healed receiver asked to join), so that
-    the next push admits it (a push before that goes to nobody: the old member id is gone)."""
+    """Until the sender's join watcher saw the healed receiver's join request, so that the next push admits it (a
+    push before that goes to nobody: the old member id is gone)."""
     deadline = time.monotonic() + timeout_s
-    while sender.store.queue_len(P.JOIN_QUEUE) == 0 or not sender._joins_seen.is_set():
+    while not joins_noticed(sender):
         assert time.monotonic() < deadline, "the healed receiver never asked to join the push group"
         time.sleep(0.05)
 

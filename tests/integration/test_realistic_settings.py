@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import sequence_logprobs, wait_for
 
 from async_rlhf.config import load_config
 from async_rlhf.generator.stream import key_of_group
@@ -44,14 +45,6 @@ MAX_STEPS = 100_000  # an upper bound: the scenario stops the run once it has pl
 def digits_share(prompt: str, completion: str, data: dict[str, Any]) -> float:
     """A reward that varies within a group for a random policy (groups are not uniform, so they train)."""
     return sum(ch.isdigit() for ch in completion) / max(len(completion), 1)
-
-
-def wait_for(cond, what: str, timeout_s: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out waiting for {what}")
-        time.sleep(0.2)
 
 
 def scenario(box: dict[str, Any], cluster: Any) -> None:
@@ -187,11 +180,9 @@ def test_engines_hold_the_learners_weights_after_the_last_push(realistic_run: di
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(realistic_run["policy"], dtype=torch.float32).eval()
+    wanted = sequence_logprobs(model, realistic_run["sequences"])  # the learner's weights, once for every generator
     for gen, gen_logprobs in enumerate(realistic_run["vllm_logprobs"]):
-        for seq, got in zip(realistic_run["sequences"], gen_logprobs):
-            with torch.no_grad():
-                logp = torch.log_softmax(model(torch.tensor([seq])).logits[0].float(), -1)
-            want = [logp[i - 1, seq[i]].item() for i in range(1, len(seq))]
+        for seq, got, want in zip(realistic_run["sequences"], gen_logprobs, wanted):
             diff = max(abs(a - b) for a, b in zip(got, want))
             assert diff < 1e-4, f"generator {gen}'s engine and the learner disagree by {diff}"
 

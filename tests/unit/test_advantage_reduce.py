@@ -15,7 +15,14 @@ from async_rlhf.learner.batch import collate
 from async_rlhf.learner.ppo import whiten
 from async_rlhf.types import Group, Sample
 
-torch.set_num_threads(1)
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """The "ranks" below are threads: one torch thread each (restored after, for the tests that follow)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def on_ranks(calls: list[Callable[[Callable[[torch.Tensor], None]], Any]]) -> list[Any]:
