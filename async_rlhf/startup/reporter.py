@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from typing import Any
 
 from async_rlhf.startup.board import BOARD_ENV
@@ -46,7 +47,6 @@ class StartupReporter:
         except Exception as exc:  # noqa: BLE001 - reporting must never stop a rank from starting
             log.warning("start-up board %s not found (%s): no start-up progress from %s", board, exc, name)
             return
-        self._stop = threading.Event()
         threading.Thread(target=self._beat, name="startup-heartbeat", daemon=True).start()
 
     def phase(self, phase: str, detail: str = "") -> None:
@@ -56,14 +56,12 @@ class StartupReporter:
     def _beat(self) -> None:
         import ray
 
-        while not self._stop.is_set():
+        while True:  # until the board answers that start-up is over
             try:
                 if not ray.get(self._board.beat.remote(self.name, tree_cpu_seconds()), timeout=30):
                     return
-            except Exception:  # noqa: BLE001 - the board is gone (run over) or slow: try again
+            except ray.exceptions.RayActorError:  # the board is gone: the run is over
+                return
+            except Exception:  # noqa: BLE001 - the board is slow: try again
                 pass
-            self._stop.wait(self.every_s)
-
-    def close(self) -> None:
-        if self._board is not None:
-            self._stop.set()
+            time.sleep(self.every_s)

@@ -129,6 +129,8 @@ class ReceiveSlots:
         with self._cond:
             if self._applying == slot:
                 return
+            if self._applying is not None:
+                raise SyncError(f"receive slot {self._applying} is being applied: one apply at a time")
             if not 0 <= slot < self.n or self._filled[slot] != version:
                 held = self._filled[slot] if 0 <= slot < self.n else None
                 raise SyncError(f"receive slot {slot} no longer holds version {version} (it holds {held}): "

@@ -419,12 +419,8 @@ class Receiver:
 
     def claim(self, staged: Staged) -> None:
         """Reserve ``staged``'s slot for :meth:`apply` now (no receive goes into it meanwhile); raises
-        :class:`SyncError` if that slot no longer holds its version. :meth:`apply` releases it, and so does
-        :meth:`unclaim` for a caller that gives up."""
+        :class:`SyncError` if that slot no longer holds its version. :meth:`apply` releases it."""
         self._slots.claim(staged.slot, staged.version)
-
-    def unclaim(self, staged: Staged) -> None:
-        self._slots.release(staged.slot)
 
     def _load(self, staged: Staged, load: Load, per_bucket: bool, t0: float) -> Received:
         e, k = staged.epoch, staged.k

@@ -60,3 +60,14 @@ def test_wait_for_free_returns_when_stopped() -> None:
     assert not done.wait(0.2)
     stop.set()
     assert done.wait(2.0)
+
+
+def test_one_apply_at_a_time() -> None:
+    s = slots(2)
+    s.staged_into(0, 1)
+    s.staged_into(1, 2)
+    s.claim(0, 1)
+    with pytest.raises(SyncError, match="slot 0 is being applied"):
+        s.claim(1, 2)  # before, it took the claim over and slot 0 could be received into mid-load
+    s.release(0)
+    s.claim(1, 2)
