@@ -50,9 +50,11 @@ class AdmissionControl:
         self.running += granted
         return granted
 
-    def finished(self, n: int = 1) -> None:
-        """``n`` started groups arrived complete."""
-        self.running = max(0, self.running - n)
+    def finished(self, n: int = 1, slots_released: bool = False) -> None:
+        """``n`` started groups arrived complete. ``slots_released``: their running slots were given back already
+        (their generator was declared dead while they were on their way): they are accepted, and end none."""
+        if not slots_released:
+            self.running = max(0, self.running - n)
         self.accepted += n
 
     def release(self, n: int) -> None:

@@ -218,10 +218,7 @@ class BufferLogic:
             fresh.append(StoredGroup(gid, env.min_version, env.num_samples, env.num_tokens, data, since=now))
             status.append(PUT_OK)
         if fresh:
-            if holder is not None and holder in self._dead_holders:  # its slots went back at its death
-                self.admission.accepted += len(fresh)
-            else:
-                self.admission.finished(len(fresh))
+            self.admission.finished(len(fresh), slots_released=holder is not None and holder in self._dead_holders)
             self._unhold(holder, len(fresh))
             self.counters["put_tokens"] += sum(g.num_tokens for g in fresh)
             self.counters["put"] += len(fresh)

@@ -32,6 +32,7 @@ from typing import Any
 
 from async_rlhf.driver.handles import BufferStats, FleetControl, RoleCluster
 from async_rlhf.driver.prompt_ledger import PromptLedger
+from async_rlhf.generator.stream import client_name
 
 log = logging.getLogger(__name__)
 
@@ -301,7 +302,7 @@ class Fleet:
         # the admission slots it held died with it: the buffer knows exactly which (its client's name), unlike
         # the last polled in_flight, seconds old. Released now (its re-issued prompts are admitted anew), before
         # a restarted process can admit under the same name, and also when it never comes back
-        lost_slots = self.buffer_client.release_holder(generator_client_name(gen))
+        lost_slots = self.buffer_client.release_holder(client_name(gen))
         self._event("died", gen, error=type(exc).__name__, in_flight=lost_slots,
                     position=self.ledger.positions.get(gen, 0),
                     outstanding=len(self.ledger.outstanding.get(gen, ())))
@@ -403,11 +404,6 @@ class ControlServer:
         self._thread.join(timeout=2)
         self._sock.close(0)
         self.file.unlink(missing_ok=True)
-
-
-def generator_client_name(gen: int) -> str:
-    """The buffer client name of generator ``gen`` (``GeneratorActor.run``'s): the holder of its admission slots."""
-    return f"generator-{gen}"
 
 
 def _wait_restarted(handle: Any, timeout_s: float) -> bool:

@@ -340,7 +340,7 @@ def run(cfg: Config, address: str | None = None, cache_root: Path = Path("runs/c
         # prompts passed over before generation (prompts.skip_uninformative), against groups generated
         "prompts_skipped": figures["prompts_skipped"],
         "groups_generated": figures["groups_generated"],
-        "prompts_too_long": figures.get("prompts_too_long", 0),  # no room in the context window (prompt_fit.py)
+        "prompts_too_long": figures["prompts_too_long"],  # no room in the context window (prompt_fit.py)
         "steps": int(records[-1]["step"]) if records else figures["first_step"],
         "steps_configured": cfg.train.steps,
         # the training/inference agreement monitor (learner/agreement.py) over the whole run

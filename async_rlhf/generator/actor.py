@@ -43,7 +43,7 @@ from async_rlhf.generator.loop_phases import EVAL_PREFIX, LoopPhases, LoopState
 from async_rlhf.generator.prompt_filter import UninformativePromptFilter
 from async_rlhf.generator.prompt_fit import PromptFit, context_len
 from async_rlhf.generator.rollout import EnginePolicy
-from async_rlhf.generator.stream import PromptStream
+from async_rlhf.generator.stream import PromptStream, client_name
 from async_rlhf.rewards.base import Completion
 from async_rlhf.rewards.streak import FailureStreak
 from async_rlhf.timeline import Timeline
@@ -203,13 +203,13 @@ class GeneratorActor(LoopPhases):
 
         cfg = self.cfg
         gen_cfg = cfg.generator
-        client = make_client(cfg, self.buffer_address, consumer=f"generator-{self.gen_id}")
+        client = make_client(cfg, self.buffer_address, consumer=client_name(self.gen_id))
         patience = cfg.buffer.redis_retry_s + cfg.buffer.request_timeout_s
         from async_rlhf.prompts.build import make_prompts
         from async_rlhf.rewards.build import make_rewards
 
         seed = cfg.train.seed * 7919 + self.gen_id
-        source = make_prompts(cfg, self.env, seed, consumer=f"generator-{self.gen_id}", lane=self._lane())
+        source = make_prompts(cfg, self.env, seed, consumer=client_name(self.gen_id), lane=self._lane())
         rewards = make_rewards(cfg, self.env)
         filt = self.prompt_filter = (UninformativePromptFilter(cfg.prompts.skip_min_retry, seed)
                                      if cfg.prompts.skip_uninformative else None)
@@ -218,7 +218,7 @@ class GeneratorActor(LoopPhases):
                              current_version=lambda: self.version, record=self._record,
                              on_reward_phase=lambda: self.timeline.enter("reward_and_put"),
                              reward_client=lambda: make_client(cfg, self.buffer_address,
-                                                               consumer=f"generator-{self.gen_id}"),
+                                                               consumer=client_name(self.gen_id)),
                              on_returns=filt.observe if filt is not None else lambda p, r: None)
         self._groups = runner.groups
         eval_params = SamplingParams(max_tokens=gen_cfg.max_new_tokens, temperature=0.0, detokenize=False,

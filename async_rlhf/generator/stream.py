@@ -20,6 +20,12 @@ def prompt_key(gen_id: int, seq: int) -> str:
     return f"{gen_id}:{seq}"
 
 
+def client_name(gen_id: int) -> str:
+    """Generator ``gen_id``'s name as a buffer client and prompt consumer: the buffer counts the admission slots
+    it holds under it (the driver releases them by this name when the generator dies)."""
+    return f"generator-{gen_id}"
+
+
 def group_id(gen_id: int, tag: str, seq: int, passed_over: int = 0) -> str:
     """The id of one prompt group; :func:`key_of_group` recovers its prompt key from it. ``passed_over``: how
     many prompts drawn right before it (positions ``seq - passed_over .. seq - 1``) the prompt filter skipped;
