@@ -1,0 +1,65 @@
+"""Peak resident memory of a process and its children (Linux /proc), for the per-role figures of a run.
+
+    peak_rss_mb()    VmHWM (the kernel's high-water mark of resident memory) of this process, plus each live
+                     descendant's: an upper bound of the tree's peak (their peaks need not coincide). On CPU a
+                     generator's vLLM engine runs in the actor's own process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so
+                     its weights and KV cache are counted; children that already exited are not.
+
+For ``actor.__ray_call__.remote(actor_peak_rss_mb)``: measured inside any Ray actor without a method of its own.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+
+def status_int(status: str, key: str) -> int:
+    """The integer of a /proc/<pid>/status field (``VmHWM:   1234 kB`` -> 1234, in kB); 0 when absent (a kernel
+    thread has no VmHWM)."""
+    for line in status.splitlines():
+        name, _, value = line.partition(":")
+        if name == key:
+            parts = value.split()
+            return int(parts[0]) if parts else 0
+    return 0
+
+
+def _status(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/status").read_text()
+    except OSError:  # gone meanwhile
+        return ""
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live descendant of ``pid`` (children, theirs, ...), from each process's parent in /proc."""
+    parent: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        ppid = status_int(_status(int(entry.name)), "PPid")
+        parent.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in parent.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def peak_rss_mb(pid: int | None = None) -> dict[str, float]:
+    """``self_mb`` (VmHWM of ``pid``, default this process), ``children_mb`` (of its live descendants),
+    ``total_mb`` (both), ``processes`` (1 + descendants), in MB (1e6 bytes)."""
+    pid = os.getpid() if pid is None else pid
+    own = status_int(_status(pid), "VmHWM") * 1024 / 1e6
+    kids = descendants(pid)
+    children = sum(status_int(_status(c), "VmHWM") for c in kids) * 1024 / 1e6
+    return {"self_mb": round(own, 1), "children_mb": round(children, 1), "total_mb": round(own + children, 1),
+            "processes": float(1 + len(kids))}
+
+
+def actor_peak_rss_mb(_actor: Any) -> dict[str, float]:
+    """For ``actor.__ray_call__.remote(actor_peak_rss_mb)``: :func:`peak_rss_mb` of the actor's process."""
+    return peak_rss_mb()
