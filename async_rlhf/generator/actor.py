@@ -159,6 +159,11 @@ class GeneratorActor(LoopPhases):
         # version would never end while an evaluation or, in drain mode, a group waits for an engine step
         self.llm.collective_rpc("start_fetching", kwargs={"timeout_s": sync.timeout_s})
 
+    def raw_receive(self, tag: str, members: list[str], nbytes: int, reps: int) -> None:
+        """After training: every worker of this engine takes part in learner rank 0's raw broadcast ``tag`` of
+        ``nbytes`` (async_rlhf/sync/raw.py) as rank 1 + its index in ``members`` (push member ids)."""
+        self.llm.collective_rpc("raw_receive", args=(tag, list(members), int(nbytes), int(reps)))
+
     def stop(self, drain: bool = False) -> None:
         """End the loop; with ``drain``, admit nothing more and end once every group in flight is put.
         Without it, buffer requests give up within a short grace (the buffer may be what is gone)."""

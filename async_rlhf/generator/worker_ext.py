@@ -262,6 +262,15 @@ class WeightSyncWorker:
         return {"version": got.version, "epoch": got.epoch, **got.metrics, "sync/coalesced": float(rx.coalesced),
                 "sync/pause_s": time.perf_counter() - t0}
 
+    def raw_receive(self: LikeWorker, tag: str, members: list[str], nbytes: int, reps: int) -> None:
+        """This worker's part of a raw broadcast of the push's bytes (async_rlhf/sync/raw.py), on its receiver's
+        store and transport, as rank 1 + its member id's index in ``members``."""
+        from async_rlhf.sync.raw import raw_receive
+
+        rx = self._get_receiver()
+        raw_receive(rx.store, rx.transport, members.index(rx.member_id) + 1, len(members) + 1, nbytes, tag, reps,
+                    rx.timeout_s)
+
     def _get_receiver(self: LikeWorker) -> Receiver:
         if self._receiver is None:
             raise RuntimeError("init_receiver was never called: this worker has no push group")
