@@ -2,8 +2,8 @@
 
     flock /tmp/heavy.lock python bench/all.py [--quick] --out FILE [--only buffer,weight_sync,...]
 
-Runs bench/buffer.py, bench/weight_sync.py, bench/pipeline.py and bench/vs_trl.py (each in its own process,
-with its own ``--out`` in a scratch directory beside FILE) and writes
+Runs bench/buffer.py, bench/weight_sync.py, bench/pipeline.py, bench/vs_trl.py and bench/scale.py (each in its own
+process, with its own ``--out`` in a scratch directory beside FILE; scale builds network namespaces: root) and writes
 
     {"machine": {...}, "commit": "...", "quick": bool, "holds": bool,
      "benches": [{"name", "target", "holds", "rows": [...], "seconds", "error", "result"}]}
@@ -12,7 +12,7 @@ with its own ``--out`` in a scratch directory beside FILE) and writes
 failed (an error naming a row that measured too little, a crash) has ``holds: false`` and its ``error``.
 A row with a rate of 0 is an error too. Exit status 1 when a bench failed (a missed target is a result: 0).
 ``--quick`` runs each bench's ``--quick`` (vs_trl on one task with a shorter budget: its full run is 3 tasks
-x 2 sides x 600 s) and takes about 10-15 minutes on 2 cores.
+x 2 sides x 600 s; scale with N up to 4) and takes about 15-20 minutes on 2 cores.
 
 The lock is the caller's: every bench here starts processes that load both cores, so run the whole of it
 under ``flock /tmp/heavy.lock`` on a shared machine (it does not take the lock itself: a bench it starts
@@ -61,6 +61,12 @@ def pipeline_rows(data: dict[str, Any]) -> list[dict[str, Any]]:
             for name, v in data["variants"].items()]
 
 
+def scale_rows(data: dict[str, Any]) -> list[dict[str, Any]]:
+    keep = ("generators", "learners", "nodes", "startup_s", "startup_s_by_phase", "steps_per_s", "push_s",
+            "raw_broadcast_s", "allreduce_s", "rss_mb_generator", "rss_mb_learner", "versions_complete")
+    return [{k: r[k] for k in keep if k in r} for r in data["rows"]]
+
+
 def vs_trl_rows(data: dict[str, Any]) -> list[dict[str, Any]]:
     out = []
     for t in data["tasks"]:
@@ -92,6 +98,8 @@ BENCHES = [
     # one task (where RL takes minutes: the other two saturate within seconds on both sides), a shorter budget
     Bench("vs_trl", "vs_trl.py", vs_trl_rows, ("trl_samples_per_s", "ours_samples_per_s"),
           ["--tasks", "addition3", "--budget-s", "90"]),
+    # N generators + N learner ranks over 4 namespace nodes: N in 1, 2, 4 (--quick), also 8 in the full run
+    Bench("scale", "scale.py", scale_rows, ("startup_s", "steps_per_s", "push_s", "raw_broadcast_s"), ["--quick"]),
 ]
 
 
@@ -108,7 +116,7 @@ def zero_rates(name: str, rows: list[dict[str, Any]], keys: tuple[str, ...]) -> 
 
 def row_label(row: dict[str, Any]) -> str:
     label = [str(row[k]) for k in ("store", "variant", "task", "params", "dtype", "layout", "storage",
-                                   "receivers", "payload_bytes") if k in row]
+                                   "receivers", "payload_bytes", "generators") if k in row]
     return " ".join(label)
 
 

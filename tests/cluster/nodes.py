@@ -1,63 +1,98 @@
-"""Two Ray nodes on one machine: one Linux network namespace per node, joined by a veth pair.
+"""Ray nodes on one machine: one Linux network namespace per node, every node joined to one bridge.
 
-    namespace <tag>a   <sub>.1   Ray head (--resources head)     <== veth pair ==>   namespace <tag>b   <sub>.2
-    the driver runs here                                                          Ray worker node (--resources worker)
+    namespace <tag>sw (the switch): bridge <tag>br
+      |-- veth <tag>s0 <==> <tag>h0   namespace <tag>n0   <subnet>.1   Ray head   (resources head, node0)
+      |-- veth <tag>s1 <==> <tag>h1   namespace <tag>n1   <subnet>.2   Ray worker (resources worker, node1)
+      '-- ...                                                          (the driver runs in <tag>n0)
 
-Each namespace has its own loopback, so an address assumed to be 127.0.0.1 fails exactly as it would across
-two hosts. The private /24 exists only inside these namespaces. The fixture starts each Ray node with
-``ray start --block`` in a process group of its own and stops only those groups (never ``ray stop``, which
-would end every Ray process on the machine), then deletes its namespaces; it fails, never skips, when the
-namespaces cannot be built (root and iproute2 are part of the set-up).
+Each node namespace has its own loopback, so an address assumed to be 127.0.0.1 fails exactly as it would across
+hosts. The private /24 exists only inside these namespaces. Every Ray node is ``ray start --block`` in a process
+group of its own, stopped only through that group (never ``ray stop``, which would end every Ray process on the
+machine); :meth:`Nodes.remove` then deletes exactly the namespaces this object created (deleting a namespace
+deletes the veth ends and the bridge inside it). Building fails, never skips, without root and iproute2 (part of
+the set-up). Used by tests/cluster and bench/scale.py (the largest fleet this machine holds, over 4 nodes).
+
+    with namespace_cluster(4, logs) as nodes:          # 4 Ray nodes up, stopped and removed at exit
+        nodes.run(nodes.ns(0), [PY, "job.py", "--address", nodes.address], timeout_s=600)
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import secrets
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
 RAY = str(Path(PY).with_name("ray"))
 GCS_PORT = 6390
 DASHBOARD_PORT = 8265
+MAX_NODES = 9
+"""Interface names are <tag><letter><i>: with a tag of at most 12 characters and one digit they stay within
+Linux's 15."""
+
+
+class NamespaceError(RuntimeError):
+    """The namespaces could not be built (no root, no iproute2, a name taken)."""
 
 
 def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+    proc = subprocess.run(["ip", *args], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise NamespaceError(f"ip {' '.join(args)}: {proc.stderr.strip()}")
 
 
 @dataclass
-class TwoNodes:
+class Nodes:
     tag: str
-    ip_a: str
-    ip_b: str
+    subnet: str
+    """The first three octets of the nodes' /24, e.g. 10.231.105 (node i is <subnet>.<i + 1>)."""
+    count: int
     temp_dir: Path
     token: str = field(default_factory=lambda: secrets.token_hex(32))
-    """Ray's token authentication for this cluster only (head, worker node and drivers present it)."""
+    """Ray's token authentication for this cluster only (head, worker nodes and drivers present it)."""
     procs: list[subprocess.Popen] = field(default_factory=list)
-    worker_proc: subprocess.Popen | None = None
-    """Node B's ``ray start --block`` (its process group holds node B's raylet and every worker on it)."""
+    node_procs: dict[int, subprocess.Popen] = field(default_factory=dict)
+    """Node i's ``ray start --block`` (its process group holds node i's raylet and every worker on it)."""
+    built: list[str] = field(default_factory=list)
+    """The namespaces created so far (what :meth:`remove` deletes)."""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.count <= MAX_NODES or len(self.tag) > 12:
+            raise ValueError(f"1-{MAX_NODES} nodes and a tag of at most 12 characters, got {self.count}, {self.tag!r}")
+
+    def ns(self, i: int) -> str:
+        return f"{self.tag}n{i}"
+
+    def ip(self, i: int) -> str:
+        return f"{self.subnet}.{i + 1}"
 
     @property
-    def ns_a(self) -> str:
-        return f"{self.tag}a"
+    def switch(self) -> str:
+        return f"{self.tag}sw"
 
     @property
-    def ns_b(self) -> str:
-        return f"{self.tag}b"
+    def head_ns(self) -> str:
+        return self.ns(0)
 
     @property
     def address(self) -> str:
-        return f"{self.ip_a}:{GCS_PORT}"
+        return f"{self.ip(0)}:{GCS_PORT}"
+
+    @property
+    def dashboard(self) -> str:
+        return f"http://{self.ip(0)}:{DASHBOARD_PORT}"
 
     def env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
@@ -65,6 +100,37 @@ class TwoNodes:
                     "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": self.token})
         return env
 
+    # -- namespaces ---------------------------------------------------------------------------------------
+    def build(self) -> None:
+        """The switch namespace with its bridge, and one namespace per node joined to it by a veth pair."""
+        if os.geteuid() != 0 or not shutil.which("ip"):
+            raise NamespaceError("network-namespace nodes need root and iproute2's `ip` (scripts/setup_env.sh "
+                                 "installs iproute2); tests/cluster must run, not skip")
+        bridge = f"{self.tag}br"
+        _ip("netns", "add", self.switch)
+        self.built.append(self.switch)
+        _ip("-n", self.switch, "link", "add", bridge, "type", "bridge")
+        _ip("-n", self.switch, "link", "set", bridge, "up")
+        for i in range(self.count):
+            ns, host_end, switch_end = self.ns(i), f"{self.tag}h{i}", f"{self.tag}s{i}"
+            _ip("netns", "add", ns)
+            self.built.append(ns)
+            _ip("-n", ns, "link", "add", host_end, "type", "veth", "peer", "name", switch_end, "netns", self.switch)
+            _ip("-n", self.switch, "link", "set", switch_end, "master", bridge)
+            _ip("-n", self.switch, "link", "set", switch_end, "up")
+            _ip("-n", ns, "addr", "add", f"{self.ip(i)}/24", "dev", host_end)
+            _ip("-n", ns, "link", "set", "lo", "up")
+            _ip("-n", ns, "link", "set", host_end, "up")
+
+    def remove(self) -> None:
+        """Stop every process started here (by process group), then delete the namespaces built here."""
+        for proc in reversed(self.procs):
+            self.stop(proc)
+        for ns in reversed(self.built):
+            subprocess.run(["ip", "netns", "delete", ns], capture_output=True)
+        self.built.clear()
+
+    # -- processes ----------------------------------------------------------------------------------------
     def popen(self, ns: str, cmd: list[str], log: Path, **kw) -> subprocess.Popen:
         """A command in namespace ``ns``, in a process group of its own (stopped by :meth:`stop`)."""
         out = open(log, "w")
@@ -77,8 +143,31 @@ class TwoNodes:
         return subprocess.run(["ip", "netns", "exec", ns, *cmd], capture_output=True, text=True, env=self.env(),
                               cwd=str(ROOT), timeout=timeout_s)
 
+    def run_streamed(self, ns: str, cmd: list[str], log: Path, show: Callable[[str], bool],
+                     timeout_s: float) -> tuple[int, str]:
+        """Like :meth:`run`, with every output line written to ``log`` as it comes and those ``show`` picks printed
+        (a job's progress while it runs); stopped by process group past ``timeout_s``. Returns (exit code, output)."""
+        proc = subprocess.Popen(["ip", "netns", "exec", ns, *cmd], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, env=self.env(), cwd=str(ROOT), start_new_session=True)
+        self.procs.append(proc)
+        timer = threading.Timer(timeout_s, self.stop, args=(proc,))
+        timer.start()
+        lines = []
+        try:
+            with log.open("w") as out:
+                for line in proc.stdout:
+                    out.write(line)
+                    lines.append(line)
+                    if show(line):
+                        print(line, end="", flush=True)
+        finally:
+            timer.cancel()
+        code = proc.wait()
+        self.procs.remove(proc)
+        return code, "".join(lines)
+
     def stop(self, proc: subprocess.Popen, sig: int = signal.SIGTERM, grace_s: float = 20.0) -> None:
-        """Signal a started process's whole group (the Ray node and every worker it forked), then kill it."""
+        """Signal a started process's whole group (a Ray node and every worker it forked), then kill it."""
         for s in (sig, signal.SIGKILL):
             try:
                 os.killpg(proc.pid, s)
@@ -90,36 +179,78 @@ class TwoNodes:
             except subprocess.TimeoutExpired:
                 continue
 
-    def wait_nodes(self, count: int, timeout_s: float = 90.0) -> None:
+    def stop_node(self, i: int, sig: int = signal.SIGKILL) -> None:
+        """Every process of node i (its Ray node's process group), e.g. SIGKILL: the node is lost."""
+        self.stop(self.node_procs[i], sig, grace_s=10)
+
+    # -- Ray ------------------------------------------------------------------------------------------------
+    def start_ray(self, logs: Path, cpus: int, attempts: int = 3) -> None:
+        """The head on node 0 (resources head and node0; the dashboard serves ``ray job submit``), then a worker
+        on every other node (resources worker and node<i>), each with ``cpus`` logical CPUs, one at a time: on 2
+        busy cores, workers started together time out registering with the GCS (seen: 2 of 3 failed). A worker
+        whose ``ray start`` ends before its node registered is started again, up to ``attempts`` times."""
+        logs.mkdir(parents=True, exist_ok=True)
+        self.node_procs[0] = self.popen(self.ns(0), [
+            RAY, "start", "--head", "--block", "--node-ip-address", self.ip(0), "--port", str(GCS_PORT),
+            "--num-cpus", str(cpus), "--resources", json.dumps({"head": cpus, "node0": cpus}),
+            "--dashboard-host", self.ip(0), "--dashboard-port", str(DASHBOARD_PORT),
+            "--temp-dir", str(self.temp_dir)], logs / "node0.log")
+        self.wait_nodes(1, self.node_procs[0])
+        for i in range(1, self.count):
+            for attempt in range(attempts):
+                self.node_procs[i] = self.popen(self.ns(i), [
+                    RAY, "start", "--block", "--address", self.address, "--node-ip-address", self.ip(i),
+                    "--num-cpus", str(cpus), "--resources", json.dumps({"worker": cpus, f"node{i}": cpus})],
+                    logs / f"node{i}.{attempt}.log")
+                try:
+                    self.wait_nodes(i + 1, self.node_procs[i])
+                    break
+                except NamespaceError:
+                    self.stop(self.node_procs[i])
+                    if attempt == attempts - 1:
+                        raise
+
+    def wait_nodes(self, count: int, proc: subprocess.Popen | None = None, timeout_s: float = 120.0) -> None:
+        """Until ``count`` Ray nodes are alive; raises :class:`NamespaceError` past ``timeout_s`` or as soon as
+        ``proc`` (the ``ray start`` of the node awaited) has ended."""
         probe = ("import ray,sys; ray.init(address=sys.argv[1], logging_level='ERROR'); "
                  "print(sum(1 for n in ray.nodes() if n['Alive']))")
         deadline = time.monotonic() + timeout_s
         last = ""
         while time.monotonic() < deadline:
-            out = self.run(self.ns_a, [PY, "-c", probe, self.address], timeout_s=60)
-            last = (out.stdout.strip().splitlines() or [""])[-1]
+            try:
+                out = self.run(self.ns(0), [PY, "-c", probe, self.address], timeout_s=60)
+                last = (out.stdout.strip().splitlines() or [""])[-1]
+            except subprocess.TimeoutExpired:
+                last = "(probe timed out)"
             if last == str(count):
                 return
+            if proc is not None and proc.poll() is not None:
+                raise NamespaceError(f"a Ray node's start ended (exit {proc.returncode}) with {last} of {count} "
+                                     "nodes up")
             time.sleep(2)
-        raise AssertionError(f"the two-node Ray cluster did not come up: {count} nodes wanted, saw {last!r}")
+        raise NamespaceError(f"the {self.count}-node Ray cluster did not come up: {count} nodes wanted, saw {last!r}")
 
 
-def build_namespaces(nodes: TwoNodes) -> None:
-    if os.geteuid() != 0 or not shutil.which("ip"):
-        pytest.fail("tests/cluster need root and iproute2's `ip` to build network namespaces "
-                    "(scripts/setup_env.sh installs iproute2); they must run, not skip")
-    va, vb = f"{nodes.tag}va", f"{nodes.tag}vb"
-    _ip("netns", "add", nodes.ns_a)
-    _ip("netns", "add", nodes.ns_b)
-    _ip("link", "add", va, "type", "veth", "peer", "name", vb)
-    _ip("link", "set", va, "netns", nodes.ns_a)
-    _ip("link", "set", vb, "netns", nodes.ns_b)
-    for ns, dev, addr in ((nodes.ns_a, va, nodes.ip_a), (nodes.ns_b, vb, nodes.ip_b)):
-        _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
-        _ip("-n", ns, "link", "set", "lo", "up")
-        _ip("-n", ns, "link", "set", dev, "up")
+def new_nodes(count: int, temp_dir: Path, subnet_base: int = 100) -> Nodes:
+    """A :class:`Nodes` named after this process (its namespaces never collide with another run's)."""
+    pid = os.getpid()
+    return Nodes(f"ar{pid % 100000}", f"10.231.{subnet_base + pid % 50}", count, temp_dir)
 
 
-def remove_namespaces(nodes: TwoNodes) -> None:
-    for ns in (nodes.ns_a, nodes.ns_b):  # deleting a namespace deletes the veth end inside it (and its peer)
-        subprocess.run(["ip", "netns", "delete", ns], capture_output=True)
+@contextlib.contextmanager
+def namespace_cluster(count: int, logs: Path, cpus: int = 6, subnet_base: int = 100,
+                      temp_dir: Path | None = None) -> Iterator[Nodes]:
+    """``count`` namespace nodes with a Ray node each, up; at exit every process started is stopped and every
+    namespace built is deleted (also when building failed half-way). ``temp_dir``: Ray's (its sockets' paths must
+    stay short); by default a fresh one under /tmp, deleted at exit."""
+    own = temp_dir is None
+    nodes = new_nodes(count, Path(tempfile.mkdtemp(prefix="rayns_")) if own else temp_dir, subnet_base)
+    try:
+        nodes.build()
+        nodes.start_ray(logs, cpus)
+        yield nodes
+    finally:
+        nodes.remove()
+        if own:
+            shutil.rmtree(nodes.temp_dir, ignore_errors=True)
