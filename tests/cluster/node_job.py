@@ -1,10 +1,10 @@
-"""A training job driven from node A of the two-node fixture (run inside namespace A by the tests).
+"""A training job driven from node 0 of the namespace cluster (run inside node 0's namespace by the tests).
 
-    python tests/cluster/two_node_job.py --address A:PORT --run-dir D --out result.json [key=value ...]
+    python tests/cluster/node_job.py --address HEAD:PORT --run-dir D --out result.json [--nodes-out F] [key=value ...]
 
 Prints nothing the tests read; writes ``--out``: the records, where every role ran, the addresses handed out,
 the generators' final versions, vLLM's log-probs of fixed sequences after the last push and the held-out
-accuracy before and after.
+accuracy before and after; ``--nodes-out``, as soon as every role started: the node of each role's ranks.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ def main() -> None:
     p.add_argument("--address", required=True)
     p.add_argument("--run-dir", required=True)
     p.add_argument("--out", required=True)
+    p.add_argument("--nodes-out", default="")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args()
 
@@ -51,6 +52,9 @@ def main() -> None:
     model = resolve_model(cfg, ROOT / "runs" / "cache")
     start = heldout_accuracy(model, cfg)
     cluster = Cluster(cfg, model, args.address)
+    if args.nodes_out:
+        placed = {role: [n["node"] for n in found] for role, found in cluster.nodes.items()}
+        Path(args.nodes_out).write_text(json.dumps(placed))
     try:
         figures = train(cfg, cluster, run_dir)
         policy = cluster.save_policy(run_dir / "policy")

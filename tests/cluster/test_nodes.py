@@ -1,0 +1,213 @@
+"""The RL loop across Ray nodes in network namespaces (nodes.py): one 4-node cluster for the whole module, every
+address discovered (no loopback crosses a node).
+
+    node 0 (head: the driver)   nodes 1-3 (workers)
+    zero2 job: 2 learner ranks spread over two nodes, 2 generators on worker nodes
+    `ray job submit` of launch/cluster.py (1 + 1)
+    8 generators + 8 learner ranks spread over the 4 nodes (bench/scale.py's largest row, a few steps)
+    losing a generator's node mid-run (last: that node stays dead)
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import sequence_logprobs
+from nodes import PY, RAY, ROOT, Nodes, namespace_cluster
+
+from async_rlhf.config import Config
+
+pytestmark = [pytest.mark.cluster, pytest.mark.integration]
+
+NODES = 4
+CPUS_PER_NODE = 6
+"""Logical CPUs per node (all share this machine's cores): 8 + 8 roles spread 2 + 2 per node; a generator
+rescheduled from a lost node finds room."""
+STEPS = 20
+
+
+# the fixture lives here, not in a conftest.py: a second conftest module would shadow tests/conftest.py for the
+# other tiers' ``from conftest import ...``
+@pytest.fixture(scope="module")  # torn down with the module: no idle Ray nodes through the rest of the suite
+def cluster(tmp_path_factory: pytest.TempPathFactory):
+    with namespace_cluster(NODES, tmp_path_factory.mktemp("ray_logs"), CPUS_PER_NODE,
+                           temp_dir=tmp_path_factory.mktemp("ray")) as nodes:
+        yield nodes
+
+
+def run_job(nodes: Nodes, work: Path, *overrides: str, timeout_s: float = 600) -> dict[str, Any]:
+    out = work / "result.json"
+    proc = nodes.run(nodes.head_ns, [PY, str(ROOT / "tests" / "cluster" / "node_job.py"), "--address", nodes.address,
+                                     "--run-dir", str(work / "run"), "--out", str(out), *overrides],
+                     timeout_s=timeout_s)
+    (work / "job.log").write_text(proc.stdout + proc.stderr)
+    assert proc.returncode == 0, f"the job failed:\n{(proc.stdout + proc.stderr)[-3000:]}"
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def zero2_job(cluster: Nodes, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return run_job(cluster, tmp_path_factory.mktemp("zero2"), f"train.steps={STEPS}", "learner.zero_stage=2",
+                   "resources.placement=spread", "resources.generator_custom=worker:1")
+
+
+def test_roles_span_nodes_on_discovered_addresses(cluster: Nodes, zero2_job: dict[str, Any]) -> None:
+    nodes = zero2_job["nodes"]
+    workers = {cluster.ip(i) for i in range(1, cluster.count)}
+    assert zero2_job["driver_node"] == cluster.ip(0)
+    assert {n["node"] for n in nodes["generators"]} <= workers, "generators asked for the worker nodes' resource"
+    assert len({n["node"] for n in nodes["learners"]}) == 2, "ranks spread over nodes"
+    rank0 = nodes["learners"][0]["node"]
+    assert zero2_job["master"][0] == rank0 and zero2_job["push"][0] == rank0, "rendezvous on rank 0's node IP"
+    buffer_node = nodes["buffer"][0]["node"]
+    assert zero2_job["buffer_address"].startswith(f"tcp://{buffer_node}:"), "the buffer hands out its node's IP"
+
+
+def test_two_ranks_train_and_every_version_reaches_every_generator(zero2_job: dict[str, Any]) -> None:
+    records = zero2_job["records"]
+    assert [r["version"] for r in records] == list(range(1, STEPS + 1)), "one version per step"
+    assert zero2_job["generator_versions"] == [STEPS, STEPS]
+    assert all(r["learner_ranks"] == 2 for r in records)
+    train = Config().train
+    assert all(r["rollout/samples"] == train.batch_size * train.group_size for r in records), "both ranks' shares"
+    assert zero2_job["accuracy_end"] > zero2_job["accuracy_start"] + 0.1, "learning goes up"
+
+
+def test_pushed_weights_match_the_learner_in_vllm_on_other_nodes(zero2_job: dict[str, Any]) -> None:
+    check_logprobs(zero2_job)
+
+
+def check_logprobs(job: dict[str, Any]) -> None:
+    """vLLM's log-probs after the last push equal a transformers forward of the learner's final weights, in every
+    generator that serves the final version (one restarted after the last push still serves its first)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(job["policy"], dtype=torch.float32).eval()
+    final = job["records"][-1]["version"]
+    scored = [lp for lp, v in zip(job["vllm_logprobs"], job["generator_versions"]) if lp is not None and v == final]
+    assert scored, f"no generator serves the final version {final}: {job['generator_versions']}"
+    wanted = sequence_logprobs(model, job["sequences"])  # the learner's weights, once for every generator
+    for gen_logprobs in scored:
+        for seq, got, want in zip(job["sequences"], gen_logprobs, wanted):
+            assert max(abs(a - b) for a, b in zip(got, want)) < 1e-4
+
+
+def test_every_prompt_trained_once(zero2_job: dict[str, Any]) -> None:
+    check_prompts_once(Path(zero2_job["policy"]).parent, STEPS)
+
+
+def check_prompts_once(run_dir: Path, steps: int) -> None:
+    lines = [json.loads(x) for x in (run_dir / "data_ledger.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == list(range(1, steps + 1))
+    keys = [k for x in lines for k in x["prompt_keys"]]
+    assert len(keys) == len(set(keys)) == steps * Config().train.batch_size
+
+
+def learner_steps(run_dir: Path) -> list[dict[str, Any]]:
+    out = []
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines() if (run_dir / "metrics.jsonl").exists() else []:
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:  # a line being written
+            continue
+        if "step" in rec and "rollout/samples" in rec:
+            out.append(rec)
+    return out
+
+
+def test_the_launcher_under_ray_job_submit(cluster: Nodes, tmp_path: Path) -> None:
+    """``ray job submit -- python launch/cluster.py ...``: the job finds its cluster through RAY_ADDRESS, passes
+    Ray nothing but that address, and trains to the end."""
+    run_dir = tmp_path / "run"
+    # from the repository, as a user's job would run from its project (the tiny model's cache is there)
+    entrypoint = (f"cd {ROOT} && exec {PY} launch/cluster.py --generators 1 --learners 1 --run-dir {run_dir} "
+                  "train.steps=4 generator.eval_every=0")
+    proc = cluster.run(cluster.head_ns, [RAY, "job", "submit", "--address", cluster.dashboard, "--", "bash", "-c",
+                                         entrypoint], timeout_s=600)
+    log = proc.stdout + proc.stderr
+    (tmp_path / "job.log").write_text(log)
+    assert proc.returncode == 0, log[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 4 and summary["final_version"] == 4, summary
+
+
+SCALE_STEPS = 3
+
+
+def test_eight_generators_and_eight_learner_ranks_over_four_nodes(cluster: Nodes, tmp_path: Path) -> None:
+    """bench/scale.py's largest row as a scenario, a few steps: 8 vLLM generators and 8 DeepSpeed ranks spread over
+    the 4 nodes start (the driver prints its start-up progress), train, every version reaches every generator, every
+    prompt is trained once; the fleet's figures (raw broadcast, all-reduce, peak memory) are taken."""
+    t0 = time.monotonic()
+    run_dir, out = tmp_path / "run", tmp_path / "row.json"
+    code, output = cluster.run_streamed(
+        cluster.head_ns, [PY, str(ROOT / "bench" / "scale_job.py"), "--address", cluster.address, "--generators",
+                          "8", "--learners", "8", "--run-dir", str(run_dir), "--out", str(out), "--reps", "2",
+                          f"train.steps={SCALE_STEPS}"],
+        tmp_path / "job.log", lambda line: line.startswith(("start-up", "scale:")), timeout_s=1200)
+    assert code == 0, output[-3000:]
+    row = json.loads(out.read_text())
+    progress = [line for line in output.splitlines() if re.match(r"start-up \d+ s: generators \d+/8 ready", line)]
+    assert progress and any("learners" in line for line in progress), "no start-up progress line was printed"
+    assert row["startup_s"] > 0 and {"driver", "generators", "learners"} <= set(row["startup_s_by_phase"])
+    assert row["versions_complete"], row["version_gaps"]
+    assert row["generator_versions"] == [SCALE_STEPS] * 8 and row["final_version"] == SCALE_STEPS
+    assert row["learner_ranks"] == 8 and len(set(row["role_nodes"]["learners"])) > 1, row["role_nodes"]
+    assert len(set(row["role_nodes"]["generators"])) > 1, row["role_nodes"]
+    assert row["raw_broadcast_s"] > 0 and row["push_s"] > 0 and row["allreduce_s"] > 0
+    assert row["rss_mb_learner"] > 0 and row["rss_mb_generator"] > 0
+    check_prompts_once(run_dir, SCALE_STEPS)
+    print(f"8 + 8 over {cluster.count} nodes: {time.monotonic() - t0:.0f} s in all, start-up {row['startup_s']:.0f} s "
+          f"{row['startup_s_by_phase']}, {row['steps_per_s']:.2f} steps/s, push {row['push_s'] * 1e3:.1f} ms vs raw "
+          f"{row['raw_broadcast_s'] * 1e3:.1f} ms, all-reduce {row['allreduce_s'] * 1e3:.2f} ms, peak MB generator "
+          f"{row['rss_mb_generator']:.0f} learner {row['rss_mb_learner']:.0f} all {row['rss_mb_sum']:.0f}")
+
+
+LOSS_STEPS = 80
+KILL_AT = 4
+
+
+def test_losing_a_generator_node_mid_run(cluster: Nodes, tmp_path: Path) -> None:
+    """ZeRO-3 with both learner ranks and the buffer on node 0, the two generators on worker nodes. Every process
+    of generator 0's node is killed (its Ray node's process group, SIGKILL) mid-run: that generator is restarted on
+    another node (or the fleet shrinks) and training goes on to the last step; nothing trained twice; the pushes of
+    the ZeRO-3 learners still reach vLLM exactly. Runs last: that node stays dead."""
+    import signal
+
+    run_dir, out, placed = tmp_path / "run", tmp_path / "result.json", tmp_path / "nodes.json"
+    job = cluster.popen(cluster.head_ns, [PY, str(ROOT / "tests" / "cluster" / "node_job.py"), "--address",
+                                          cluster.address, "--run-dir", str(run_dir), "--out", str(out),
+                                          "--nodes-out", str(placed), f"train.steps={LOSS_STEPS}",
+                                          "learner.zero_stage=3", "resources.placement=spread",
+                                          "resources.learner_custom=head:1", "resources.buffer_custom=head:1",
+                                          "resources.generator_custom=worker:1"], tmp_path / "job.log")
+    deadline = time.monotonic() + 420
+    while len(learner_steps(run_dir)) < KILL_AT or not placed.exists():
+        assert job.poll() is None, (tmp_path / "job.log").read_text()[-3000:]
+        assert time.monotonic() < deadline, "the job did not reach the step to kill at"
+        time.sleep(0.5)
+    lost_ip = json.loads(placed.read_text())["generators"][0]
+    lost = next(i for i in range(cluster.count) if cluster.ip(i) == lost_ip)
+    assert lost != 0, "generators asked for the worker nodes' resource"
+    killed_at = time.time()
+    cluster.stop_node(lost, signal.SIGKILL)
+    assert job.wait(timeout=600) == 0, (tmp_path / "job.log").read_text()[-3000:]
+    result = json.loads(out.read_text())
+    assert {n["node"] for n in result["nodes"]["learners"] + result["nodes"]["buffer"]} == {cluster.ip(0)}
+    records = result["records"]
+    assert [r["version"] for r in records] == list(range(1, LOSS_STEPS + 1))
+    after = [r["time"] for r in records if r["time"] > killed_at]
+    assert after, "training went on after the node was lost"
+    events = [e["event"] for e in result["fleet"]["events"]]
+    assert "died" in events and ("restarted" in events or "lost" in events), events
+    check_prompts_once(run_dir, LOSS_STEPS)
+    check_logprobs(result)
+    gaps = [b - a for a, b in zip([killed_at] + after, after)]
+    print(f"node {lost} lost at step {KILL_AT}: first step after it {after[0] - killed_at:.1f} s later, largest gap "
+          f"{max(gaps):.1f} s; fleet events {events}")
