@@ -16,7 +16,8 @@ Per row (``--out`` JSON ``{"machine", "commit", "rows": [...], "target", "holds"
                          checkpoint left out)
     push_s               median over the run's pushes of sync/push_s (start to every generator's acknowledgement),
                          overlapping the learners' next step and the generators' work on the same cores;
-                         push_broadcast_s: the transfer alone (sync/broadcast_s)
+                         push_broadcast_s: until the sender's chunks are out (sync/broadcast_s), push_ack_wait_s:
+                         then until every generator received them and acknowledged (sync/ack_wait_s)
     raw_broadcast_s      the same bytes broadcast from learner rank 0 to the same generator workers on the push's
                          own store and transport, after training on the quiet fleet (async_rlhf/sync/raw.py: the
                          broadcast plus a 1-element allreduce, every receive posted first: bench/weight_sync's raw)
@@ -111,13 +112,15 @@ def step_line(row: dict[str, Any]) -> str:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    head = (f"{'gen':>4} {'lrn':>4} {'nodes':>5} {'startup_s':>9} {'steps/s':>8} {'push_ms':>8} {'xfer_ms':>8} "
+    head = (f"{'gen':>4} {'lrn':>4} {'nodes':>5} {'startup_s':>9} {'steps/s':>8} {'push_ms':>8} {'sent_ms':>8} "
+            f"{'ack_ms':>8} "
             f"{'raw_ms':>8} {'allred_ms':>9} {'rss_gen':>8} {'rss_lrn':>8} {'rss_sum':>8} {'used_mb':>8} {'est_gb':>7} "
             "versions")
     lines = [head]
     for r in rows:
         lines.append(f"{r['generators']:>4} {r['learners']:>4} {r['nodes']:>5} {r['startup_s']:>9.1f} "
                      f"{r['steps_per_s']:>8.2f} {r['push_s'] * 1e3:>8.1f} {r['push_broadcast_s'] * 1e3:>8.1f} "
+                     f"{r.get('push_ack_wait_s', 0.0) * 1e3:>8.1f} "
                      f"{r['raw_broadcast_s'] * 1e3:>8.1f} {r['allreduce_s'] * 1e3:>9.2f} "
                      f"{r['rss_mb_generator']:>8.0f} {r['rss_mb_learner']:>8.0f} {r['rss_mb_sum']:>8.0f} "
                      f"{r.get('machine_used_mb_peak', 0):>8.0f} "
@@ -146,7 +149,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     twin.legend(loc="upper right")
     ax.set_title("start-up and training rate")
     ax = axes[1]
-    for key, label in (("push_s", "push (in the run)"), ("push_broadcast_s", "push transfer"),
+    for key, label in (("push_s", "push (in the run)"), ("push_broadcast_s", "push: chunks sent"),
                        ("raw_broadcast_s", "raw broadcast (quiet)"), ("allreduce_s", "learner all-reduce")):
         ax.plot(ns, [max(r[key], 1e-6) * 1e3 for r in rows], "o-", label=label)
     ax.set_yscale("log")
@@ -237,8 +240,9 @@ def main(argv: list[str] | None = None) -> int:
     print("where a training step goes (learner rank 0's mean seconds per phase; wait_data: for generated groups):")
     for r in rows:
         print(step_line(r))
-    print(f"\npush_ms: the run's pushes (median, overlapping training on the same cores); xfer_ms: their transfer "
-          f"alone; raw_ms: the same {rows[-1]['raw_bytes'] / 1e6:.2f} MB to the same generators after training; "
+    print(f"\npush_ms: the run's pushes (median, overlapping training on the same cores), of which sent_ms: until the "
+          f"learner's chunks are out, ack_ms: until every generator has them and acknowledged; raw_ms: the same "
+          f"{rows[-1]['raw_bytes'] / 1e6:.2f} MB to the same generators after training; "
           "allred_ms: the learners' all-reduce of their gradients' size; rss_*: peak MB per process (with children), "
           "rss_sum: of every role and the driver; used_mb: the machine's peak used memory during the row (Ray's "
           "processes too); est_gb: the memory plan's estimate of the whole fleet")

@@ -76,12 +76,17 @@ def peak_rss(cluster: Any) -> dict[str, Any]:
 def push_figures(records: list[dict[str, Any]]) -> dict[str, Any]:
     """The pushes a run's records carry (each push's metrics ride on a later step's record; the last push's on
     none): ``push_s`` (median sync/push_s: from the push's start until every member acknowledged it, epoch rebuilds
-    included), ``push_broadcast_s`` (median sync/broadcast_s: the chunks' transfer alone), ``pushes`` and
-    ``push_bytes``."""
+    included), ``push_broadcast_s`` (median sync/broadcast_s: until the sender's chunks are out),
+    ``push_ack_wait_s`` (median sync/ack_wait_s: then until every member has received them and acknowledged),
+    ``pushes`` and ``push_bytes``."""
     pushes = [r for r in records if "sync/push_s" in r]
-    return {"push_s": _median([float(r["sync/push_s"]) for r in pushes]),
-            "push_broadcast_s": _median([float(r["sync/broadcast_s"]) for r in pushes if "sync/broadcast_s" in r]),
-            "pushes": len(pushes), "push_bytes": max((float(r.get("sync/bytes", 0.0)) for r in pushes), default=0.0)}
+
+    def median_of(key: str) -> float:
+        return _median([float(r[key]) for r in pushes if key in r])
+
+    return {"push_s": median_of("sync/push_s"), "push_broadcast_s": median_of("sync/broadcast_s"),
+            "push_ack_wait_s": median_of("sync/ack_wait_s"), "pushes": len(pushes),
+            "push_bytes": max((float(r.get("sync/bytes", 0.0)) for r in pushes), default=0.0)}
 
 
 def version_gaps(records: list[dict[str, Any]], generator_versions: list[int], members: int) -> list[str]:

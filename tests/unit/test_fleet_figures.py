@@ -11,7 +11,7 @@ def records(steps: int, members: int = 2, dropped_at: int | None = None) -> list
     out = [{"step": s, "version": s} for s in range(1, steps + 1)]
     for v in range(1, steps):
         out[v].update({"sync/version": float(v), "sync/members": float(members), "sync/push_s": 0.01 * v,
-                       "sync/broadcast_s": 0.001 * v, "sync/bytes": 4096.0,
+                       "sync/broadcast_s": 0.001 * v, "sync/ack_wait_s": 0.009 * v, "sync/bytes": 4096.0,
                        "sync/dropped": 1.0 if v == dropped_at else 0.0})
     return out
 
@@ -35,5 +35,6 @@ def test_push_figures_are_medians_of_the_recorded_pushes() -> None:
     got = push_figures(records(6))
     assert got["pushes"] == 5 and got["push_bytes"] == 4096.0
     assert abs(got["push_s"] - 0.03) < 1e-12 and abs(got["push_broadcast_s"] - 0.003) < 1e-12
-    assert push_figures([{"step": 1, "version": 1}]) == {"push_s": 0.0, "push_broadcast_s": 0.0, "pushes": 0,
-                                                         "push_bytes": 0.0}
+    assert abs(got["push_ack_wait_s"] - 0.027) < 1e-12
+    assert push_figures([{"step": 1, "version": 1}]) == {"push_s": 0.0, "push_broadcast_s": 0.0,
+                                                         "push_ack_wait_s": 0.0, "pushes": 0, "push_bytes": 0.0}
