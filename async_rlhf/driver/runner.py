@@ -251,6 +251,37 @@ def learner_fractions(learners: list[dict[str, Any]]) -> dict[str, float]:
             "learner_push_wait_fraction": sum(busy_fraction(tl["totals"], ("push_wait",)) for tl in learners) / n}
 
 
+class Beside:
+    """``fn(*args)`` on a daemon thread, beside what the caller does meanwhile; :meth:`result` waits for it and
+    raises what it raised. The driver's held-out evaluation (a transformers forward of a small held-out set) runs
+    so beside the roles' start-up, which leaves a core idle while the generators import vLLM (about 3 s per
+    launch on 2 cores), and beside the shutdown. A daemon: a run that fails to start does not wait for it."""
+
+    def __init__(self, fn: Any, *args: Any) -> None:
+        self._box: dict[str, Any] = {}
+        self._thread = threading.Thread(target=self._run, args=(fn, args), daemon=True, name="beside")
+        self.started = time.time()
+        self._thread.start()
+
+    def _run(self, fn: Any, args: tuple[Any, ...]) -> None:
+        try:
+            self._box["value"] = fn(*args)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller by result()
+            self._box["error"] = exc
+        self._box["seconds"] = time.time() - self.started
+
+    def result(self) -> Any:
+        self._thread.join()
+        if "error" in self._box:
+            raise self._box["error"]
+        return self._box["value"]
+
+    @property
+    def seconds(self) -> float:
+        """How long ``fn`` ran (once :meth:`result` returned)."""
+        return self._box["seconds"]
+
+
 def run(cfg: Config, address: str | None = None, cache_root: Path = Path("runs/cache"),
         resume: Path | None = None, stop: threading.Event | None = None) -> dict[str, Any]:
     """Everything ``launch/cluster.py`` does after validation; returns the summary it writes.
@@ -284,13 +315,12 @@ def run(cfg: Config, address: str | None = None, cache_root: Path = Path("runs/c
         model_path = resolve_model(cfg, cache_root)
     builtin = cfg.task.name in BUILTIN_HELDOUT
     start_acc = end_acc = None
-    if builtin:
-        start_acc = heldout_accuracy(model_path, cfg)
-        print(f"policy {model_path}: held-out greedy accuracy {start_acc:.3f} before RL", flush=True)
-    elif not cfg.prompts.eval_path:
+    model_s = time.time() - t0
+    # the built-in task's held-out accuracy before RL, computed while the roles start
+    start_eval = Beside(heldout_accuracy, model_path, cfg) if builtin else None
+    if not builtin and not cfg.prompts.eval_path:
         print(f"task.name={cfg.task.name} has no held-out set of its own: no held-out figure is reported; give "
               "one with prompts.eval_path=FILE (JSONL or Parquet, scored by rewards.sources)", flush=True)
-    model_s = time.time() - t0
     cluster = Cluster(cfg, model_path, address)
     startup_s = time.time() - t0
     by_phase = cluster.startup_s_by_phase
@@ -298,6 +328,13 @@ def run(cfg: Config, address: str | None = None, cache_root: Path = Path("runs/c
     if stop is not None:
         catch_stop_signals(stop)  # ray.init replaced the SIGTERM handler
     try:
+        if start_eval is not None:
+            start_acc = start_eval.result()
+            # not a phase of its own: it ran beside the others (the seconds it kept the driver waiting are in
+            # startup_s only if it outlasted them)
+            by_phase["driver"]["held-out eval (beside)"] = round(start_eval.seconds, 3)
+            print(f"policy {model_path}: held-out greedy accuracy {start_acc:.3f} before RL", flush=True)
+            startup_s = time.time() - t0
         (run_dir / "cpu_plan.json").write_text(json.dumps(cluster.cpu_plan.to_dict(), indent=2))
         print(f"started {cfg.generators} generator(s), {cfg.learners} learner(s), buffer at "
               f"{cluster.buffer_address} in {time.time() - t0:.0f}s", flush=True)
@@ -312,10 +349,11 @@ def run(cfg: Config, address: str | None = None, cache_root: Path = Path("runs/c
         except Exception as exc:  # noqa: BLE001 - the run is done: its summary is still written, without it
             eval_end = None
             log.warning("the held-out evaluation of the final policy failed: %s: %s", type(exc).__name__, exc)
+        end_eval = Beside(heldout_accuracy, policy_dir, cfg) if builtin else None  # beside the shutdown
     finally:
         cluster.shutdown()
-    if builtin:
-        end_acc = heldout_accuracy(policy_dir, cfg)
+    if end_eval is not None:
+        end_acc = end_eval.result()
     from async_rlhf.plots import plot_learning_curve
 
     curve = [{"version": e["version"], "accuracy": e.get("accuracy", e.get("reward_mean", 0.0))}

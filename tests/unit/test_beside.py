@@ -1,0 +1,42 @@
+"""runner.Beside: the driver's held-out evaluation runs beside the roles' start-up and hands back its result or
+its error."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from async_rlhf.driver.runner import Beside
+
+pytestmark = pytest.mark.unit
+
+
+def test_the_work_runs_while_the_caller_goes_on_and_its_result_comes_back() -> None:
+    started, release = threading.Event(), threading.Event()
+
+    def work(x: int) -> int:
+        started.set()
+        assert release.wait(5), "the caller never released the work"
+        return x * 2
+
+    beside = Beside(work, 21)
+    assert started.wait(5), "the work did not start at once"
+    release.set()  # the caller was free to go on while the work waited
+    assert beside.result() == 42
+    assert 0.0 <= beside.seconds < 5
+
+
+def test_an_error_of_the_work_is_raised_by_result() -> None:
+    def work() -> None:
+        raise FileNotFoundError("no model here")
+
+    beside = Beside(work)
+    with pytest.raises(FileNotFoundError, match="no model here"):
+        beside.result()
+
+
+def test_the_thread_does_not_keep_a_failed_run_alive() -> None:
+    beside = Beside(time.sleep, 30)
+    assert beside._thread.daemon
