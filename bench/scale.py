@@ -145,8 +145,8 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     twin = ax.twinx()
     twin.plot(ns, [r["steps_per_s"] for r in rows], "s--", color="tab:green", label="steps/s")
     twin.set_ylabel("learner steps/s")
-    ax.legend(loc="upper left")
-    twin.legend(loc="upper right")
+    ax.legend(loc="upper center")
+    twin.legend(loc="center right")
     ax.set_title("start-up and training rate")
     ax = axes[1]
     for key, label in (("push_s", "push (in the run)"), ("push_broadcast_s", "push: chunks sent"),
@@ -160,10 +160,11 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     ax = axes[2]
     ax.plot(ns, [r["rss_mb_generator"] for r in rows], "o-", label="largest generator")
     ax.plot(ns, [r["rss_mb_learner"] for r in rows], "o-", label="largest learner rank")
-    ax.plot(ns, [r["rss_mb_sum"] for r in rows], "o-", label="all roles")
+    ax.plot(ns, [r["rss_mb_sum"] for r in rows], "o-", label="all roles (sum of RSS peaks)")
+    ax.plot(ns, [r.get("machine_used_mb_peak", 0) for r in rows], "s:", label="machine used (peak, Ray too)")
     ax.plot(ns, [r["memory_estimate"]["total_gb"] * 1e3 for r in rows], "x--", label="memory plan (estimate)")
     ax.set_xlabel("N")
-    ax.set_ylabel("peak resident MB")
+    ax.set_ylabel("peak MB")
     ax.legend()
     ax.set_title("peak memory")
     for ax in axes:
