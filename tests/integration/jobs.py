@@ -155,11 +155,18 @@ def thaw(pids: list[int]) -> None:
     _signal_all(pids, signal.SIGCONT)
 
 
-def resume_newest(work: Path, run_dir: Path, more_steps: int, by_checkpoint: bool = False) -> dict[str, Any]:
+def start_resume(work: Path, log_name: str, target: Path, *extra: str) -> subprocess.Popen:
+    """``launch/cluster.py --resume target`` (a run directory or a checkpoint) in its own session, endless
+    (``train.steps=100000``), output to ``work/log_name``: a resumed job for a test to kill again."""
+    return start_job(work, log_name, ["--resume", str(target), "train.steps=100000", *extra])
+
+
+def resume_newest(work: Path, run_dir: Path, more_steps: int, by_checkpoint: bool = False,
+                  log_name: str = "second.log") -> dict[str, Any]:
     """Resume the killed job from its newest committed checkpoint for ``more_steps`` more steps (``--resume``
     the run directory, or the checkpoint itself with ``by_checkpoint``); returns the first run's records
     (``before``), ``ckpt``, its ``manifest``, the step target ``steps`` and the finished resume ``second``
-    (whose output is also in ``work/second.log``)."""
+    (whose output is also in ``work/log_name``)."""
     before = learner_records(run_dir)
     ckpt = list_checkpoints(run_dir)[-1]
     manifest = read_manifest(ckpt)
@@ -169,7 +176,7 @@ def resume_newest(work: Path, run_dir: Path, more_steps: int, by_checkpoint: boo
     steps = manifest["step"] + max(more_steps, -(-pending // 4) + 2)
     second = subprocess.run([*LAUNCH, "--resume", str(ckpt if by_checkpoint else run_dir), f"train.steps={steps}"],
                             cwd=work, capture_output=True, text=True, timeout=900)
-    (work / "second.log").write_text(second.stdout + second.stderr)
+    (work / log_name).write_text(second.stdout + second.stderr)
     return {"run_dir": run_dir, "before": before, "ckpt": ckpt, "manifest": manifest, "steps": steps,
             "second": second}
 
