@@ -32,7 +32,7 @@ from async_rlhf.buffer.testing import (
     retrying,
 )
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.isolated]
 
 BATCH = 4
 PREFIX = "fault"

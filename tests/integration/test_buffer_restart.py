@@ -24,7 +24,7 @@ from async_rlhf.buffer.testing import RedisServer
 from async_rlhf.driver.fleet import send_control
 from async_rlhf.generator.stream import key_of_group
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.isolated]
 
 STEPS = 60
 KILL_AT = 5

@@ -22,7 +22,7 @@ from jobs import LAUNCH, kill_session, learner_records, start_job, wait_until
 
 from async_rlhf.driver.checkpoints import list_checkpoints, read_manifest
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.isolated]
 
 REWARD = '''
 def score(prompt, completion, data, *, completion_ids, finish_reason):
