@@ -24,6 +24,43 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0)
 
 
+SHARED_FIXTURES = {"shared_ray", "ray_address"}
+"""Fixtures one instance of which serves many tests (docs/testing.md, "Shared fixtures")."""
+SHARED_RAY_CPUS = 16
+"""Logical CPUs of the shared Ray: room for the largest plan of a test that uses it (three generators, two learner
+ranks, the buffer, a generator added by ``scale``); the roles share this machine's cores (CPU plan)."""
+
+
+@pytest.fixture(scope="session")
+def shared_ray():
+    """One local Ray for the whole session, started by the first test that asks for it; yields its GCS address
+    (a subprocess joins it with ``RAY_ADDRESS``, as the launcher does under ``ray job submit``).
+
+    Shared by every test that only needs a Ray to run its roles on (``Cluster`` uses the Ray it finds): each test
+    ends its run with ``Cluster.close`` (kills that run's actors, removes its placement groups) and never calls
+    ``ray.shutdown``. Isolation rule: a test that kills, pauses or reconfigures Ray itself, a node or a process
+    outside its own run's actors, or that needs the roles' environment of its own (caches, ports), starts a Ray
+    of its own (a launcher job in its own session) and is marked ``isolated``."""
+    import ray
+
+    assert not ray.is_initialized(), "a Ray was started in this process before the shared one"
+    ray.init(address="local", num_cpus=SHARED_RAY_CPUS, include_dashboard=False, log_to_driver=True,
+             runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+    try:
+        yield ray.get_runtime_context().gcs_address
+    finally:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ray_address(shared_ray: str) -> str:
+    """The shared Ray's address, checked to be up (a test that shut it down would break every later one)."""
+    import ray
+
+    assert ray.is_initialized(), "the shared Ray was shut down by an earlier test: use Cluster.close, not shutdown"
+    return shared_ray
+
+
 @pytest.fixture(scope="session")
 def load_bench() -> Callable[[str], ModuleType]:
     """Import a script of bench/ by file name (bench/ is not a package), for tests of its arithmetic."""
@@ -158,3 +195,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         parts = Path(str(item.fspath)).relative_to(root).parts
         if len(parts) > 1 and parts[0] in TIERS:
             item.add_marker(getattr(pytest.mark, parts[0]))
+        check_isolation(item)
+
+
+def check_isolation(item: pytest.Item) -> None:
+    """The isolation rule, enforced at collection: a test marked ``isolated`` (it kills, pauses or reconfigures
+    a process) must not use a shared fixture."""
+    shared = sorted(set(getattr(item, "fixturenames", ())) & SHARED_FIXTURES)
+    if item.get_closest_marker("isolated") and shared:
+        raise pytest.UsageError(f"{item.nodeid} is marked isolated but uses the shared fixture(s) {shared}: start "
+                                "its own (an isolated test kills, pauses or reconfigures what it runs on)")

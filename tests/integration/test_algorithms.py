@@ -57,23 +57,17 @@ def _run(algorithm: str, models: dict[str, str], extra: list[str]) -> dict[str, 
 
 
 @pytest.fixture(scope="module")
-def runs(models: dict[str, str]) -> dict[str, dict[str, Any]]:
-    import ray
-
-    try:
-        out = {
-            "ppo": _run("ppo", models, [f"train.ppo.reward_models={models['rm']}:5",
-                                        "train.ppo.generator_reward_weight=1", "train.ppo.reward_norm=false",
-                                        "train.ppo.critic_lr=5e-3", "train.minibatches=2"]),
-            # the task's reward plus the reward model served by its own Ray actor (generator side): continuous
-            # rewards, so every prompt group yields a pair
-            "online_dpo": _run("online_dpo", models, ["train.lr=5e-4", "train.dpo.beta=0.5",
-                                                      "rewards.sources=task:1,model:1",
-                                                      f"rewards.model_path={models['rm']}"]),
-        }
-        yield out
-    finally:
-        ray.shutdown()
+def runs(models: dict[str, str], ray_address: str) -> dict[str, dict[str, Any]]:
+    return {
+        "ppo": _run("ppo", models, [f"train.ppo.reward_models={models['rm']}:5",
+                                    "train.ppo.generator_reward_weight=1", "train.ppo.reward_norm=false",
+                                    "train.ppo.critic_lr=5e-3", "train.minibatches=2"]),
+        # the task's reward plus the reward model served by its own Ray actor (generator side): continuous
+        # rewards, so every prompt group yields a pair
+        "online_dpo": _run("online_dpo", models, ["train.lr=5e-4", "train.dpo.beta=0.5",
+                                                  "rewards.sources=task:1,model:1",
+                                                  f"rewards.model_path={models['rm']}"]),
+    }
 
 
 @pytest.mark.parametrize("algorithm", ["ppo", "online_dpo"])

@@ -20,7 +20,8 @@ MAX_STALENESS = 1
 
 
 @pytest.fixture(scope="module")
-def finished_run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def finished_run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory,
+                 ray_address: str) -> dict[str, Any]:
     import ray
 
     from async_rlhf.driver.cluster import Cluster
@@ -44,7 +45,7 @@ def finished_run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory)
         yield {"cfg": cfg, "figures": figures, "policy": policy, "gen_ledgers": gen_ledgers, "buffer": buffer,
                "sequences": sequences, "vllm_logprobs": vllm_logprobs, "run_dir": run_dir}
     finally:
-        cluster.shutdown()
+        cluster.close()
 
 
 def test_version_advances_once_per_step(finished_run: dict[str, Any]) -> None:

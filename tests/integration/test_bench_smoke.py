@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -25,10 +26,17 @@ TINY_RUN = ["generator.eval_every=0", "train.batch_size=2", "train.group_size=2"
             "generator.groups_in_flight=2", "run.checkpoint_every=0"]
 
 
-def run_bench(script: str, args: list[str], out: Path, timeout_s: float = 600) -> dict:
+def run_bench(script: str, args: list[str], out: Path, timeout_s: float = 600, ray_address: str = "") -> dict:
+    """``bench/<script> args`` in a subprocess; with ``ray_address``, its roles run on the session's shared Ray
+    (conftest.shared_ray: the bench joins it as a job under ``ray job submit`` would) instead of a Ray of its own.
+    Not for vs_trl, which reads the CPU time of the launcher's process tree (its actors must be in it).
+
+    One at a time: started together they only share the 2 cores (the transport benches' time-bounded rows then
+    fail), and the stack benches leave no idle core to fill."""
     assert not out.parent.exists()
+    env = {**os.environ, "RAY_ADDRESS": ray_address} if ray_address else None
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / script), *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout_s, check=False)
+                          text=True, timeout=timeout_s, check=False, env=env)
     assert proc.returncode == 0, f"{script} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}"
     return json.loads(out.read_text())
 
@@ -67,28 +75,29 @@ def test_learner_memory_bench(tmp_path: Path) -> None:
     assert all(r["seq_len"] == 128 and r["peak_mb"] > 0 for r in rows)
 
 
-def test_staleness_bench(tmp_path: Path, tiny_model_dir: Path) -> None:
+def test_staleness_bench(tmp_path: Path, tiny_model_dir: Path, ray_address: str) -> None:
     out = tmp_path / "new" / "staleness.json"
     data = run_bench("staleness.py", ["--quick", "--steps", "2", "--staleness", "1", "--corrections", "none",
-                                      "--out", str(out), f"model.path={tiny_model_dir}", *TINY_RUN], out)
+                                      "--out", str(out), f"model.path={tiny_model_dir}", *TINY_RUN], out,
+                     ray_address=ray_address)
     (run,) = data["runs"]
     assert run["max_staleness"] == 1 and run["correction"] == "none" and 0.0 <= run["final_accuracy"] <= 1.0
     assert "start_accuracy" in data and (out.parent / "table.md").exists() and (out.parent / "accuracy.png").exists()
 
 
-def test_algorithms_bench(tmp_path: Path, tiny_model_dir: Path) -> None:
+def test_algorithms_bench(tmp_path: Path, tiny_model_dir: Path, ray_address: str) -> None:
     out = tmp_path / "new" / "algorithms.json"
     data = run_bench("algorithms.py", ["--quick", "--steps", "2", "--algorithms", "grpo", "--out", str(out),
-                                       f"model.path={tiny_model_dir}", *TINY_RUN], out)
+                                       f"model.path={tiny_model_dir}", *TINY_RUN], out, ray_address=ray_address)
     (run,) = data["runs"]
     assert run["algorithm"] == "grpo" and {"accuracy_start", "accuracy_end", "wall_time_s"} <= set(run)
 
 
-def test_delayed_rewards_bench(tmp_path: Path, tiny_model_dir: Path) -> None:
+def test_delayed_rewards_bench(tmp_path: Path, tiny_model_dir: Path, ray_address: str) -> None:
     out = tmp_path / "new" / "delayed.json"
     data = run_bench("delayed_rewards.py", ["--quick", "--steps", "2", "--delay", "0.2", "--jitter", "0",
                                             "--model", str(tiny_model_dir), "--dir", str(tmp_path / "runs"),
-                                            "--out", str(out), *TINY_RUN], out)
+                                            "--out", str(out), *TINY_RUN], out, ray_address=ray_address)
     assert {"busy_fraction_no_delay", "busy_fraction_delayed", "delay_s", "runs"} <= set(data)
     assert [r["delay_s"] for r in data["runs"]] == [0.0, 0.2]
 

@@ -69,7 +69,7 @@ def scenario(box: dict[str, Any], cluster: Any, log: list[tuple[str, int, float]
 
 
 @pytest.fixture(scope="module")
-def elastic_run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def elastic_run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, ray_address: str) -> dict[str, Any]:
     import ray
 
     from async_rlhf.driver.cluster import Cluster
@@ -92,7 +92,7 @@ def elastic_run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
         buffer = ray.get(cluster.buffer.stats.remote(True))
         yield {"cfg": cfg, "figures": figures, "buffer": buffer, "log": log, "box": box, "run_dir": run_dir}
     finally:
-        cluster.shutdown()
+        cluster.close()
 
 
 def test_scenario_played_out(elastic_run: dict[str, Any]) -> None:

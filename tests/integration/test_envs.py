@@ -28,14 +28,6 @@ COMMON = [f"train.steps={STEPS}", f"train.batch_size={BATCH}", "train.group_size
 
 
 @pytest.fixture(scope="module")
-def ray_session():
-    import ray
-
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def reward_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny randomly initialised sequence classifier over the tiny tokenizer (any num_labels=1 dir works)."""
     import torch
@@ -74,7 +66,7 @@ def run_cluster(cfg: Any, model_dir: Path, run_dir: Path, during: Any = None, se
 
 
 @pytest.fixture(scope="module")
-def guess_run(ray_session: None, tiny_model_dir: Path, reward_model_dir: Path,
+def guess_run(ray_address: str, tiny_model_dir: Path, reward_model_dir: Path,
               tmp_path_factory: pytest.TempPathFactory) -> dict:
     run_dir = tmp_path_factory.mktemp("guess")
     cfg = load_config(None, [*COMMON, "task.name=guess_number", "task.max_turns=3", "train.max_staleness=2",
@@ -100,7 +92,7 @@ def test_multi_turn_task_trains_with_per_turn_rewards_and_masked_observations(gu
 
 
 @pytest.fixture(scope="module")
-def streamed_run(ray_session: None, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+def streamed_run(ray_address: str, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     from async_rlhf.buffer.testing import RedisServer
     from async_rlhf.env.arithmetic import AdditionEnv, AdditionTask
     from async_rlhf.prompts.redis_stream import push_prompts

@@ -27,18 +27,14 @@ def load_bench() -> Any:
 
 
 @pytest.fixture(scope="module")
-def standalone_run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    import ray
-
+def standalone_run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory,
+                   ray_address: str) -> dict[str, Any]:
     bench = load_bench()
     overrides = ["generators=1", "learners=1", "train.batch_size=4", "train.group_size=4",
                  "generator.groups_in_flight=4", "generator.eval_every=0", "task.name=longtail",
                  "generator.max_new_tokens=12"]
-    try:
-        yield bench.standalone(overrides, str(tiny_model_dir), tmp_path_factory.mktemp("standalone"),
-                               window_s=3.0, learner_steps=LEARNER_STEPS)
-    finally:
-        ray.shutdown()
+    return bench.standalone(overrides, str(tiny_model_dir), tmp_path_factory.mktemp("standalone"),
+                            window_s=3.0, learner_steps=LEARNER_STEPS)
 
 
 def test_every_actor_runs_on_its_planned_cores(standalone_run: dict[str, Any]) -> None:

@@ -91,7 +91,8 @@ def scenario(box: dict[str, Any], cluster: Any) -> None:
 
 
 @pytest.fixture(scope="module")
-def realistic_run(llama_bpe_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def realistic_run(llama_bpe_dir: Path, tmp_path_factory: pytest.TempPathFactory,
+                  ray_address: str) -> dict[str, Any]:
     import ray
 
     from async_rlhf.driver.cluster import Cluster
@@ -136,7 +137,7 @@ def realistic_run(llama_bpe_dir: Path, tmp_path_factory: pytest.TempPathFactory)
                "gen_ledgers": gen_ledgers, "sequences": sequences, "vllm_logprobs": vllm_logprobs,
                "system_tokens": system_tokens, "scorer_requests": server.requests}
     finally:
-        cluster.shutdown()
+        cluster.close()
         server.close()
 
 
