@@ -32,9 +32,14 @@ from async_rlhf.buffer.redis_store import RedisStore
 from async_rlhf.buffer.testing import RedisServer
 from async_rlhf.driver.checkpoints import list_checkpoints, read_manifest
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.isolated]
 
-EVERY = 4
+# a checkpoint every step: the kill waits for a moment when the buffer's version is the newest checkpoint's, and
+# with the buffer stopped the learner blocks on its next request right after saving the checkpoint of the
+# version it last gave the buffer, so that moment comes at the first try (with a checkpoint every 4 steps it came
+# when the learner happened to stop on a multiple of 4: about one try in four, each 16 s)
+EVERY = 1
+KILL_AFTER = 4  # the first run trains at least this many steps (as when EVERY was 4) before the kill
 MORE_STEPS = 6
 PREFIX = "async_rlhf:buffer"
 
@@ -77,7 +82,8 @@ def redis_resumed(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
             tiny_model_dir, run_dir, EVERY, "buffer.store=redis", f"buffer.redis_url={server.url}",
             f"buffer.redis_prefix={PREFIX}", max_staleness=2))
         try:
-            wait_until(lambda: newest_checkpoint_step(run_dir) >= EVERY, "a checkpoint", first, log)
+            wait_until(lambda: newest_checkpoint_step(run_dir) >= KILL_AFTER, f"a checkpoint at step {KILL_AFTER}",
+                       first, log)
             # kill right after a checkpoint, while the buffer holds groups made by the checkpoint's weights
             # (the whole job is frozen while that is checked: the learner runs ahead of the driver's metrics;
             # the buffer is stopped first so that the learner waits while the driver commits what it saved)
