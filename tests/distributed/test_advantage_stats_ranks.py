@@ -2,7 +2,8 @@
 by the mean and std of the whole step batch, and PPO whitens its GAE advantages over the whole step's tokens, so
 two learner ranks with half the groups each must train on the advantages (and so the gradient) of one rank
 with all of them. Real LearnerActor ranks (DeepSpeed ZeRO-2 over gloo; ``learner_ranks.py``), each collating
-its own groups as its train loop does, then one ``_update``.
+its own groups as its train loop does, then one ``_update``. Both scenarios run in one set of rank processes
+kept for the module (one rank, and two), each building its own actors (``learner_ranks.py``).
 """
 
 from __future__ import annotations
@@ -10,9 +11,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from learner_ranks import run_learner_ranks
+from learner_ranks import LearnerRanks
 
 pytestmark = pytest.mark.distributed
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    """The rank processes kept for this module's scenarios."""
+    kept = LearnerRanks(sizes=(1, 2))
+    yield kept
+    kept.close()
 
 
 def _groups(vocab: int) -> list:
@@ -30,11 +39,11 @@ def _groups(vocab: int) -> list:
     return groups
 
 
-def _same_as_one_rank(model_dir: str, overrides: list[str]) -> None:
+def _same_as_one_rank(ranks: LearnerRanks, model_dir: str, overrides: list[str]) -> None:
     groups = _groups(51)
-    (one,) = run_learner_ranks(model_dir, overrides, [{"groups": groups, "sizes": [3] * 4}])
-    two = run_learner_ranks(model_dir, overrides, [{"groups": groups[:2], "sizes": [3, 3]},
-                                                   {"groups": groups[2:], "sizes": [3, 3]}])
+    (one,) = ranks.run(model_dir, overrides, [{"groups": groups, "sizes": [3] * 4}])
+    two = ranks.run(model_dir, overrides, [{"groups": groups[:2], "sizes": [3, 3]},
+                                      {"groups": groups[2:], "sizes": [3, 3]}])
     want = torch.from_numpy(one["advantages"])
     got = [torch.from_numpy(r["advantages"]) for r in two]
     if want.dim() == 2:  # per token (PPO): each rank's batch is padded to its own longest row
@@ -48,11 +57,12 @@ def _same_as_one_rank(model_dir: str, overrides: list[str]) -> None:
             torch.testing.assert_close(torch.from_numpy(g), grads[name], rtol=1e-4, atol=1e-7, msg=f"{rank} {name}")
 
 
-def test_reinforce_pp_two_ranks_normalise_like_one(tiny_model_dir):
-    _same_as_one_rank(str(tiny_model_dir), ["learner.zero_stage=2", "train.advantage=reinforce_pp"])
+def test_reinforce_pp_two_ranks_normalise_like_one(ranks, tiny_model_dir):
+    _same_as_one_rank(ranks, str(tiny_model_dir), ["learner.zero_stage=2", "train.advantage=reinforce_pp"])
 
 
-def test_ppo_two_ranks_whiten_like_one(tiny_model_dir):
+def test_ppo_two_ranks_whiten_like_one(ranks, tiny_model_dir):
     """reward_norm off: its running moments are kept per rank (a separate matter, left as it is)."""
-    _same_as_one_rank(str(tiny_model_dir), ["learner.zero_stage=2", "train.algorithm=ppo",
-                                            "train.ppo.reward_norm=false", "train.ppo.generator_reward_weight=1"])
+    _same_as_one_rank(ranks, str(tiny_model_dir), ["learner.zero_stage=2", "train.algorithm=ppo",
+                                                   "train.ppo.reward_norm=false",
+                                                   "train.ppo.generator_reward_weight=1"])

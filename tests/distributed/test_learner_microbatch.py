@@ -4,10 +4,9 @@ a token-budgeted, packed step equals the gradient of the same rows in one padded
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from learner_ranks import LearnerRanks, rows_of
 
 from async_rlhf.config import ObjectiveConfig
 from async_rlhf.learner.microbatch import (
@@ -68,92 +67,30 @@ def test_deepspeed_micro_batches_accumulate_the_one_batch_gradient(tiny_model_di
         torch.testing.assert_close(b.detach()[clear], a.detach()[clear], rtol=0, atol=1e-6, msg=name)
 
 
-SPAWN_S = 240.0  # spawning, importing torch and building DeepSpeed engines under load
+@pytest.fixture(scope="module")
+def ranks():
+    """The rank processes (one rank, and two) of the LearnerActor scenario, started together."""
+    kept = LearnerRanks(sizes=(1, 2))
+    yield kept
+    kept.close()
 
 
-def _learner_rank(rank: int, world: int, model_dir: str, port: int, overrides: list[str], batch, out) -> None:
-    """One LearnerActor rank (no Ray, no buffer): one ``_update`` of ``batch``; reports its full gradient."""
-    try:
-        from deepspeed.utils import safe_get_full_grad
-
-        from async_rlhf.config import load_config
-        from async_rlhf.learner.actor import LearnerActor
-
-        cfg = load_config(None, [f"model.path={model_dir}", f"learners={world}", "train.batch_size=2",
-                                 "learner.zero_stage=2", "train.lr=1e-3", *overrides])
-        actor = LearnerActor(rank, world, cfg, model_dir, "127.0.0.1", port, "")
-        grads: dict[str, object] = {}  # numpy: torch tensors would go through shared memory the child takes along
-        step = actor._optimizer_step
-
-        def read_then_step() -> None:
-            for name, p in actor.engine.module.named_parameters():  # collective under ZeRO-2: every rank
-                grads[name] = safe_get_full_grad(p).numpy().copy()
-            step()
-
-        actor._optimizer_step = read_then_step
-        metrics = actor._update(batch)
-        out.put((rank, {"grads": grads, "metrics": metrics}))
-    except BaseException as exc:  # noqa: BLE001 - reported to the test, which fails with it
-        out.put((rank, {"error": repr(exc)}))
-
-
-def _rows(batch, rows: list[int]):
-    from dataclasses import replace
-
-    idx = torch.tensor(rows)
-    return replace(batch, input_ids=batch.input_ids[idx], attention_mask=batch.attention_mask[idx],
-                   loss_mask=batch.loss_mask[idx], behav_logp=batch.behav_logp[idx], versions=batch.versions[idx],
-                   rewards=batch.rewards[idx], advantages=batch.advantages[idx], group_ids=[])
-
-
-def _run_ranks(model_dir: str, overrides: list[str], batches: list) -> list[dict]:
-    import multiprocessing as mp
-    import queue
-
-    from async_rlhf.endpoints import free_port
-
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = free_port()
-    env = {k: os.environ.pop(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                                          "MASTER_PORT") if k in os.environ}
-    procs = [ctx.Process(target=_learner_rank, args=(r, len(batches), model_dir, port, overrides, b, out), daemon=True)
-             for r, b in enumerate(batches)]
-    try:
-        for p in procs:
-            p.start()
-        results: dict[int, dict] = {}
-        while len(results) < len(procs):
-            try:
-                rank, res = out.get(timeout=SPAWN_S)
-            except queue.Empty:
-                pytest.fail(f"learner ranks {sorted(set(range(len(procs))) - set(results))} did not report")
-            assert "error" not in res, f"rank {rank}: {res['error']}"
-            res["grads"] = {name: torch.from_numpy(g) for name, g in res["grads"].items()}
-            results[rank] = res
-        return [results[r] for r in range(len(procs))]
-    finally:
-        os.environ.update(env)
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-
-
-def test_two_learner_ranks_micro_batched_and_packed_give_the_one_rank_gradient(tiny_model_dir, ragged_batch):
+def test_two_learner_ranks_micro_batched_and_packed_give_the_one_rank_gradient(ranks, tiny_model_dir, ragged_batch):
     """LearnerActor._update on two ZeRO-2 ranks, each with its own rows (unequal token counts and micro-batch
     counts), packed under a token budget, against one rank with all rows in one padded forward."""
     batch = ragged_batch(51)
     lengths = batch.attention_mask.sum(1).tolist()
     assert len(lengths) == 9
     model_dir = str(tiny_model_dir)
-    (one,) = _run_ranks(model_dir, ["learner.zero_stage=2"], [batch])
-    halves = [_rows(batch, [0, 2, 7]), _rows(batch, [1, 3, 4, 5, 6, 8])]  # 11 against 49 trained tokens
-    two = _run_ranks(model_dir, ["learner.pack=true", "learner.max_tokens_per_micro_batch=20",
-                                 "learner.logprob_chunk_tokens=8"], halves)
+    (one,) = ranks.run(model_dir, ["learner.zero_stage=2"], [{"batch": batch}])
+    halves = [rows_of(batch, [0, 2, 7]), rows_of(batch, [1, 3, 4, 5, 6, 8])]  # 11 against 49 trained tokens
+    two = ranks.run(model_dir, ["learner.zero_stage=2", "learner.pack=true", "learner.max_tokens_per_micro_batch=20",
+                                "learner.logprob_chunk_tokens=8"], [{"batch": b} for b in halves])
     assert two[0]["metrics"]["perf/micro_batches"] < two[1]["metrics"]["perf/micro_batches"]
-    want = one["grads"]
+    # the gradient read before the last (here the only) optimizer step of each rank
+    want, *got = ({n: torch.from_numpy(g) for n, g in r["grads"][-1].items()} for r in (one, *two))
     assert max(g.abs().max().item() for g in want.values()) > 1e-4
     for name in want:
-        torch.testing.assert_close(two[0]["grads"][name], want[name], rtol=1e-4, atol=1e-7, msg=name)
-        torch.testing.assert_close(two[1]["grads"][name], want[name], rtol=1e-4, atol=1e-7, msg=name)
+        torch.testing.assert_close(got[0][name], want[name], rtol=1e-4, atol=1e-7, msg=name)
+        torch.testing.assert_close(got[1][name], want[name], rtol=1e-4, atol=1e-7, msg=name)
+
