@@ -1,5 +1,7 @@
 """A step's record describes the whole step when several learner ranks train it: counts summed, means averaged,
-maxima over ranks (a real two-process gloo group)."""
+maxima over ranks (a real two-process gloo group). Both scenarios run in one pair of rank processes, one after
+the other in the same group (a module-scoped fixture): each builds its own inputs and reduces them with its own
+collectives, so neither reads what the other left behind."""
 
 import os
 
@@ -12,37 +14,17 @@ from async_rlhf.sync.group import free_port
 pytestmark = pytest.mark.distributed
 
 
-def _rank(rank: int, port: int, out: "mp.Queue") -> None:
-    import torch.distributed as dist
-
+def _record(rank: int) -> dict:
     from async_rlhf.learner.ranks import reduce_across_ranks
 
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
-    dist.init_process_group("gloo", rank=rank, world_size=2)
     record = {"rollout/samples": 64, "rollout/tokens": 100 + rank, "rollout/reward_mean": 0.25 + 0.5 * rank,
               "staleness/mean": 1.0 * rank, "staleness/max": 3 * rank, "optim/loss": 2.0, "step": 7}
     reduce_across_ranks(record)
-    out.put((rank, record))
-    dist.destroy_process_group()
+    return record
 
 
-def _two_ranks(target) -> dict:
-    """Run ``target(rank, port, out)`` in two spawned processes forming one gloo group; ``{rank: what it put}``."""
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=target, args=(r, port, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        return dict(out.get(timeout=120) for _ in procs)
-    finally:
-        for p in procs:
-            stop_process(p)
-
-
-def test_records_are_reduced_across_ranks() -> None:
-    got = _two_ranks(_rank)
+def test_records_are_reduced_across_ranks(reduced) -> None:
+    got = reduced("record")
     assert got[0] == got[1], "every rank ends with the same record"
     rec = got[0]
     assert rec["rollout/samples"] == 128 and rec["rollout/tokens"] == 201
@@ -51,15 +33,12 @@ def test_records_are_reduced_across_ranks() -> None:
     assert rec["learner_ranks"] == 2 and rec["step"] == 7
 
 
-def _agreement_rank(rank: int, port: int, out: "mp.Queue") -> None:
+def _agreement(rank: int) -> dict:
     import torch
-    import torch.distributed as dist
 
     from async_rlhf.learner.agreement import Agreement
     from async_rlhf.learner.ranks import max_tensor_over_ranks, sum_over_ranks
 
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
-    dist.init_process_group("gloo", rank=rank, world_size=2)
     a = Agreement(2)  # rank 0: 3 same-version tokens off by 0.1 each; rank 1: one off by 2.0, one of version 1
     if rank == 0:
         logp, behav = torch.tensor([[-1.0, -1.0, -1.0]]), torch.tensor([[-1.1, -0.9, -1.1]])
@@ -70,12 +49,56 @@ def _agreement_rank(rank: int, port: int, out: "mp.Queue") -> None:
     a.observe(logp, behav, versions, mask)
     a.observe_sampled(behav, mask)
     a.reduce(sum_over_ranks, max_tensor_over_ranks)
-    out.put((rank, a.metrics()))
+    return a.metrics()
+
+
+SCENARIOS = {"record": _record, "agreement": _agreement}
+
+
+def _rank(rank: int, port: int, out: "mp.Queue") -> None:
+    """One rank of the pair: every scenario in turn on the same group; each one's result or error, by name."""
+    import traceback
+
+    import torch.distributed as dist
+
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    for name, scenario in SCENARIOS.items():
+        try:
+            out.put((name, rank, scenario(rank)))
+        except Exception:
+            out.put((name, rank, traceback.format_exc()))
     dist.destroy_process_group()
 
 
-def test_the_agreement_monitor_is_token_weighted_over_ranks() -> None:
-    got = _two_ranks(_agreement_rank)
+@pytest.fixture(scope="module")
+def reduced():
+    """``reduced(name)``: ``{rank: result}`` of scenario ``name``, run by one pair of processes for the module."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank, args=(r, port, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got: dict[str, dict[int, object]] = {name: {} for name in SCENARIOS}
+
+    def result(name: str) -> dict:
+        while len(got[name]) < len(procs):
+            scenario, rank, res = out.get(timeout=120)
+            got[scenario][rank] = res
+        for rank, res in got[name].items():
+            assert isinstance(res, dict), f"rank {rank} failed:\n{res}"
+        return got[name]
+
+    try:
+        yield result
+    finally:
+        for p in procs:
+            stop_process(p)
+
+
+def test_the_agreement_monitor_is_token_weighted_over_ranks(reduced) -> None:
+    got = reduced("agreement")
     assert got[0] == got[1], "every rank ends with the same figures"
     m = got[0]
     assert m["rollout/same_version_tokens"] == 4
