@@ -107,7 +107,10 @@ class _World:
     def __init__(self, size: int) -> None:
         from async_rlhf.endpoints import free_port
 
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context("forkserver")
+        # torch, DeepSpeed and transformers are imported once, by the fork server, not by every rank (seconds each
+        # on 2 shared cores); a rank is a fresh fork of it, with nothing initialised yet
+        ctx.set_forkserver_preload(["learner_ranks", "deepspeed", "transformers", "async_rlhf.learner.actor"])
         self.size, self.out = size, ctx.Queue()
         self.commands = [ctx.Queue() for _ in range(size)]
         port = free_port()
