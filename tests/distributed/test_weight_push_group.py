@@ -216,6 +216,7 @@ def test_versions_round_trip_every_dtype_to_two_receivers(members):
         members.wait_for(mid, "done")
 
 
+@pytest.mark.isolated  # kills and hangs receivers: every process it starts is its own, none is shared
 def test_dead_and_hung_receivers_are_named_then_group_rebuilt_and_late_joiner_served(members):
     sender = Sender(layout_from_wire(layout_wire()), HOST, free_port(), timeout_s=PUSH_TIMEOUT_S, slice_s=0.1,
                     chunk_bytes=CHUNK_BYTES)
