@@ -149,7 +149,8 @@ def rank_main(rank: int, port: int, save_dir: str, out) -> None:
 
 
 def test_zero3_push_and_save_gather_a_bounded_window_at_a_time(tmp_path) -> None:
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")  # the ranks fork from a server that imported DeepSpeed once (as learner_ranks)
+    ctx.set_forkserver_preload(["deepspeed", "transformers", "async_rlhf.learner.push", "async_rlhf.learner.zero3"])
     out = ctx.Queue()
     port = free_port()
     save_dir = str(tmp_path / "policy")
