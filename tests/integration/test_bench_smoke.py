@@ -24,6 +24,7 @@ pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 TINY_RUN = ["generator.eval_every=0", "train.batch_size=2", "train.group_size=2", "generator.max_new_tokens=6",
             "generator.groups_in_flight=2", "run.checkpoint_every=0"]
+VS_TRL_BUDGET_S = 4  # seconds of training per side: a few steps of each, enough for every code path
 
 
 def run_bench(script: str, args: list[str], out: Path, timeout_s: float = 600, ray_address: str = "") -> dict:
@@ -106,11 +107,11 @@ def test_vs_trl_bench(tmp_path: Path, tiny_model_dir: Path) -> None:
     if importlib.util.find_spec("trl") is None:
         pytest.skip("bench/vs_trl.py needs the bench extra (pip install -e '.[cpu,dev,bench]'): TRL is not installed")
     out = tmp_path / "new" / "vs_trl.json"
-    data = run_bench("vs_trl.py", ["--budget-s", "8", "--tasks", "addition", "--model", str(tiny_model_dir),
-                                   "--out", str(out)], out)
+    data = run_bench("vs_trl.py", ["--budget-s", str(VS_TRL_BUDGET_S), "--tasks", "addition",
+                                   "--model", str(tiny_model_dir), "--out", str(out)], out)
     (task,) = data["tasks"]
     assert {"task", "trl_accuracy_end", "trl_time_s", "time_to_trl_accuracy_s", "trl_samples_per_s",
             "ours_samples_per_s", "learner_push_wait_fraction"} <= set(task)
-    assert task["trl_time_s"] >= 8 and task["ours_time_s"] > 0
+    assert task["trl_time_s"] >= VS_TRL_BUDGET_S and task["ours_time_s"] > 0  # the budget is honoured
     assert task["trl_samples_per_s"] > 0 and task["ours_samples_per_s"] > 0
     assert (out.parent / "addition_curves.png").stat().st_size > 0
