@@ -180,7 +180,7 @@ class Nodes:
             except subprocess.TimeoutExpired:
                 continue
 
-    def stop_all(self, procs: list[subprocess.Popen], grace_s: float = 10.0) -> None:
+    def stop_all(self, procs: list[subprocess.Popen], grace_s: float = 3.0) -> None:
         """SIGTERM to every process group of ``procs`` at once, after ``grace_s`` SIGKILL to every group (a member
         that outlived its group's leader too)."""
         for sig in (signal.SIGTERM, signal.SIGKILL):
