@@ -7,6 +7,7 @@ and the score normalisation from nothing."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -28,20 +29,25 @@ def reward(prompt, completion, data):
 '''
 
 
-def _launch(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    done = subprocess.run([*LAUNCH, *args], cwd=cwd, capture_output=True, text=True, timeout=600)
+def _launch(args: list[str], cwd: Path, ray_address: str) -> subprocess.CompletedProcess:
+    """The launcher on the session's shared Ray (it joins through RAY_ADDRESS, as under ``ray job submit``): this
+    test stops and kills nothing, and its two launches need no Ray of their own."""
+    done = subprocess.run([*LAUNCH, *args], cwd=cwd, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "RAY_ADDRESS": ray_address})
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     return done
 
 
-def test_ppo_resume_restores_the_critic_and_the_reward_moments(tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_ppo_resume_restores_the_critic_and_the_reward_moments(tiny_model_dir: Path, tmp_path: Path,
+                                                               ray_address: str) -> None:
     (tmp_path / "length_reward.py").write_text(REWARD)
     run_dir = tmp_path / "run"
     _launch(["--generators", "1", "--learners", "1", "--model", str(tiny_model_dir), "--run-dir", str(run_dir),
              f"train.steps={STEPS}", "train.batch_size=4", "train.group_size=4", "train.max_staleness=1",
              "generator.eval_every=0", "generator.groups_in_flight=4", "task.heldout_size=20",
              "rewards.sources=function", f"rewards.function={tmp_path / 'length_reward.py'}:reward",
-             "train.algorithm=ppo", "train.ppo.generator_reward_weight=1", "train.ppo.critic_lr=1e-2"], tmp_path)
+             "train.algorithm=ppo", "train.ppo.generator_reward_weight=1", "train.ppo.critic_lr=1e-2"], tmp_path,
+            ray_address)
     ckpt = list_checkpoints(run_dir)[-1]
     assert read_manifest(ckpt)["step"] == STEPS
     moments = json.loads((ckpt / "critic" / "moments-rank0.json").read_text())
@@ -50,7 +56,7 @@ def test_ppo_resume_restores_the_critic_and_the_reward_moments(tiny_model_dir: P
     assert first[0]["ppo/old_values_mean"] == 0.0  # a new critic: zero value head
     assert first[-1]["ppo/old_values_mean"] != 0.0  # trained by the end
 
-    second = _launch(["--resume", str(run_dir), f"train.steps={STEPS + MORE}"], tmp_path)
+    second = _launch(["--resume", str(run_dir), f"train.steps={STEPS + MORE}"], tmp_path, ray_address)
     assert f"resumed from {ckpt}" in second.stdout
     assert "holds no PPO critic" not in second.stdout
     resumed = [r for r in learner_records(run_dir) if r["step"] > STEPS]
