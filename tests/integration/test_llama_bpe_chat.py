@@ -18,6 +18,7 @@ reason), so the test reads what was actually scored rather than recomputing it:
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -60,7 +61,7 @@ def _train_messages(i: int, a: int, b: int) -> list[dict[str, str]]:
 
 
 @pytest.fixture(scope="module")
-def chat_run(tmp_path_factory: pytest.TempPathFactory, llama_bpe_dir: Path) -> dict:
+def chat_run(tmp_path_factory: pytest.TempPathFactory, llama_bpe_dir: Path, ray_address: str) -> dict:
     work = tmp_path_factory.mktemp("llama_chat")
     train = [(a, b) for a in range(3, 90, 7) for b in range(5, 90, 13)][:40]
     held = [(a, b) for a in range(1, 90, 17) for b in range(2, 90, 29)][:10]
@@ -78,8 +79,9 @@ def chat_run(tmp_path_factory: pytest.TempPathFactory, llama_bpe_dir: Path) -> d
             "train.batch_size=4", "train.group_size=4", "generator.groups_in_flight=4",
             f"generator.max_new_tokens={MAX_NEW}", "generator.eval_every=2", "run.log_every_s=1"]
     t_launch = time.time()
+    # on the session's shared Ray (the launcher joins it through RAY_ADDRESS): this test stops nothing
     proc = subprocess.Popen([*LAUNCH, *args], cwd=work, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+                            text=True, start_new_session=True, env={**os.environ, "RAY_ADDRESS": ray_address})
     out, _ = proc.communicate(timeout=600)
     wall = time.time() - t_launch
     records = learner_records(run_dir)
