@@ -2,7 +2,7 @@
 weights it says it serves: a real GeneratorActor (its own engine arguments, request path and swap), compared
 with a transformers forward of the same weights.
 
-One GeneratorActor (no Ray: constructed directly) in a spawned process (vLLM binds threads), sampling at
+One GeneratorActor (no Ray: constructed directly) in a process of its own (vLLM binds threads), sampling at
 temperature 0.7; the sender is this process. The tiny model's context is stretched to 512 positions so that a
 prompt can span more than two KV-cache blocks (the CPU backend's default block is 128 tokens; vLLM caches only
 whole blocks):
@@ -24,9 +24,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from conftest import sequence_logprobs, stop_process
-from vllm_engine import HOST, expect
+from vllm_engine import HOST, engine_context, expect
 
 from async_rlhf.sync.group import free_port
 from async_rlhf.sync.layout import TensorSpec, layout_from_wire, layout_to_wire, plan_buckets
@@ -133,7 +132,7 @@ def generator(tmp_path_factory: pytest.TempPathFactory):
     layout = layout_to_wire(plan_buckets([TensorSpec(n, tuple(t.shape), dtype_name(t)) for n, t in base.items()],
                                          BUCKET_BYTES))
     sender = Sender(layout_from_wire(layout), HOST, free_port(), timeout_s=TIMEOUT_S)
-    ctx = mp.get_context("spawn")
+    ctx = engine_context()
     cmds, out = ctx.Queue(), ctx.Queue()
     proc = ctx.Process(target=_generator, args=(str(model_dir), sender.port, layout, cmds, out), daemon=True)
     proc.start()

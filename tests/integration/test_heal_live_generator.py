@@ -5,7 +5,7 @@ pushed must reach the engine whole: its prompt log-probs equal a transformers fo
 
 Before the fix the old fetch thread kept receiving on the old receiver while ``apply_update`` loaded from the new
 one's never-filled slots and marked the version live (the engine kept its old weights), or the new member never
-joined at all. One real fp32 vLLM engine in a spawned process; the sender is this process.
+joined at all. One real fp32 vLLM engine in a process of its own; the sender is this process.
 """
 
 from __future__ import annotations
@@ -15,10 +15,9 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from conftest import joins_noticed, stop_process
 from test_weight_sync_vllm import ENGINE_START_S, TIMEOUT_S, _engine, layout_of, perturbed, reference_logprobs
-from vllm_engine import HOST, expect, max_diff
+from vllm_engine import HOST, engine_context, expect, max_diff
 
 from async_rlhf.sync.group import free_port
 from async_rlhf.sync.layout import layout_from_wire
@@ -50,7 +49,7 @@ def test_healing_a_live_generator_loads_the_next_version_whole(tmp_path: Path) -
     seqs = torch.randint(0, model.config.vocab_size, (4, 24), generator=g).tolist()
     layout = layout_of(base)
     sender = Sender(layout_from_wire(layout), HOST, free_port(), timeout_s=TIMEOUT_S)
-    ctx = mp.get_context("spawn")
+    ctx = engine_context()
     cmds, out = ctx.Queue(), ctx.Queue()
     proc = ctx.Process(target=_engine, args=(str(model_dir), sender.port, layout, cmds, out), daemon=True)
     proc.start()

@@ -1,6 +1,6 @@
 """Both update modes on a real vLLM engine, with a real push arriving while requests are generating.
 
-One fp32 engine in a spawned process, driven step by step like the generator loop (``LLMEngine.step``,
+One fp32 engine in a process of its own, driven step by step like the generator loop (``LLMEngine.step``,
 every new token stamped with the version being served); the sender is this process. Version 1 is built
 so that it makes one token X overwhelmingly likely whatever the context (see ``forcing_weights``), so
 "this token came from the new weights" is visible in the token itself:
@@ -26,9 +26,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from conftest import poll_joiners, stop_process
-from vllm_engine import EXTENSION, expect
+from vllm_engine import EXTENSION, engine_context, expect
 
 from async_rlhf.sync.group import free_port
 from async_rlhf.sync.layout import TensorSpec, layout_from_wire, layout_to_wire, plan_buckets
@@ -165,10 +164,10 @@ def next_token_probs(model, weights: dict[str, torch.Tensor], seqs: torch.Tensor
 
 
 class Engine:
-    """One spawned vLLM engine process and its command queues."""
+    """One vLLM engine process (engine_context: a fork of a server that imported vLLM) and its command queues."""
 
     def __init__(self, model_dir: Path, port: int, layout: list, member_id: str, late: bool = False) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = engine_context()
         self.cmds, self.out = ctx.Queue(), ctx.Queue()
         self.proc = ctx.Process(target=_engine, args=(str(model_dir), port, layout, member_id, late, self.cmds,
                                                       self.out), daemon=True)

@@ -1,7 +1,7 @@
 """A real vLLM engine receives pushed weights through the worker extension; its prompt log-probs must
 match a transformers forward of the sender's weights (tied embeddings included).
 
-One fp32 engine, in a spawned process (vLLM binds threads; none of that should leak into pytest). The
+One fp32 engine, in a process of its own (vLLM binds threads; none of that should leak into pytest). The
 sender is this process. Versions pushed, in order:
 
     v1  fp32, perturbed, loaded WITHOUT the tied lm_head refresh  -> logits stay stale: large difference
@@ -22,9 +22,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from conftest import stop_process
-from vllm_engine import CPU_ENV, HOST, engine_process, expect, max_diff
+from vllm_engine import CPU_ENV, HOST, engine_context, engine_process, expect, max_diff
 
 from async_rlhf.sync.group import free_port
 from async_rlhf.sync.layout import TensorSpec, layout_from_wire, layout_to_wire, plan_buckets
@@ -81,7 +80,7 @@ def test_vllm_receives_pushed_weights_fp32_and_bf16_with_tied_lm_head(tmp_path: 
     fp32_layout = layout_of(base)
     assert len(fp32_layout) > 1
     sender = Sender(layout_from_wire(fp32_layout), HOST, free_port(), timeout_s=TIMEOUT_S)
-    ctx = mp.get_context("spawn")
+    ctx = engine_context()
     cmds, out = ctx.Queue(), ctx.Queue()
     proc = ctx.Process(target=_engine, args=(str(model_dir), sender.port, fp32_layout, cmds, out), daemon=True)
     proc.start()
