@@ -18,7 +18,6 @@ A rank reports when it is built; from then on the update gets ``UPDATE_S`` to fi
 from __future__ import annotations
 
 import gc
-import multiprocessing as mp
 import os
 import queue
 import time
@@ -30,7 +29,6 @@ import torch
 
 BUILD_S = 300.0  # spawning, importing torch and building DeepSpeed engines on 2 shared cores
 UPDATE_S = 120.0  # one update of the tiny model takes seconds; out of step, it never ends
-_RANK_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def _scenario(rank: int, world: int, port: int, model_dir: str, overrides: list[str], given: dict[str, Any],
@@ -105,23 +103,21 @@ class _World:
     """``size`` spawned rank processes in one DeepSpeed (gloo) group, fed scenarios one at a time."""
 
     def __init__(self, size: int) -> None:
+        from fork_server import fork_context
+
         from async_rlhf.endpoints import free_port
 
-        ctx = mp.get_context("forkserver")
-        # torch, DeepSpeed and transformers are imported once, by the fork server, not by every rank (seconds each
-        # on 2 shared cores); a rank is a fresh fork of it, with nothing initialised yet
-        ctx.set_forkserver_preload(["learner_ranks", "deepspeed", "transformers", "async_rlhf.learner.actor"])
+        # torch, DeepSpeed and transformers are imported once, by the session's fork server, not by every rank
+        # (seconds each on 2 shared cores); a rank is a fresh fork of it, with nothing initialised yet
+        ctx = fork_context()
         self.size, self.out = size, ctx.Queue()
         self.commands = [ctx.Queue() for _ in range(size)]
         port = free_port()
-        env = {k: os.environ.pop(k) for k in _RANK_ENV if k in os.environ}  # not inherited by the ranks
-        try:
-            self.procs = [ctx.Process(target=_serve, args=(r, size, port, self.commands[r], self.out), daemon=True)
-                          for r in range(size)]
-            for p in self.procs:
-                p.start()
-        finally:
-            os.environ.update(env)
+        # the ranks inherit the fork server's environment, which holds no RANK, MASTER_PORT... of this process
+        self.procs = [ctx.Process(target=_serve, args=(r, size, port, self.commands[r], self.out), daemon=True)
+                      for r in range(size)]
+        for p in self.procs:
+            p.start()
 
     def close(self, grace_s: float = 5.0) -> None:
         for c in self.commands:

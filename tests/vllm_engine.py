@@ -12,20 +12,17 @@ process, so each engine lives in its own and answers on a queue:
     ("quit", None)     -> ("bye", None)
 first answer: ("epoch", [per worker]) once every worker joined the push group as gen0[.tp<r>].
 
-The CPU tests start their engine processes from ``engine_context()``: forks of a fork server that imported vLLM,
-torch and transformers once (7-9 s of a core per process on 2 shared cores), not spawned processes each importing
-them. A fork has nothing initialised: it builds its own ``vllm.LLM`` (the server only imported; it starts no thread).
+The CPU tests start their engine processes from ``engine_context()``: forks of the session's fork server
+(tests/fork_server.py), which imported vLLM, torch and transformers once; each builds its own ``vllm.LLM``.
 """
 
 from __future__ import annotations
 
-import io
 import multiprocessing as mp
 import os
 import queue
 import time
 import traceback
-from multiprocessing import context, forkserver, popen_forkserver, reduction, spawn, util
 from typing import Any
 
 from async_rlhf.generator.worker_ext import WeightSyncWorker
@@ -34,17 +31,6 @@ from async_rlhf.sync.layout import layout_from_wire
 HOST = "127.0.0.1"
 BASE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false", "VLLM_LOGGING_LEVEL": "ERROR"}
 CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
-PRELOAD = ["torch", "transformers", "vllm.entrypoints.llm", "vllm.v1.worker.cpu_worker",
-           "vllm.v1.worker.cpu_model_runner", "vllm.model_executor.model_loader", "vllm.model_executor.models.qwen2",
-           "async_rlhf.generator.worker_ext", __name__]
-"""What the engines' fork server imports once: ``LLM`` and what building a CPU engine of the tiny Qwen2 imports
-(``import vllm`` alone is lazy). Importing them starts no thread."""
-SERVER_ENV = {**BASE_ENV, "OMP_NUM_THREADS": "1"}
-"""The part of every test engine's environment read while importing: vLLM configures its logger (the level) on
-import, OpenMP reads its thread count when torch loads it. The server imports with these; every engine sets them
-again, and its own others (read when its engine is built), in its process, as before."""
-
-
 class StandingWorker(WeightSyncWorker):
     """The generator's worker extension plus what only tests ask of it: receive and load the next version
     standing still, and switch the bucket layout."""
@@ -116,58 +102,12 @@ def engine_process(model_dir: str, port: int, layout: list, engine: dict[str, An
         os._exit(0)
 
 
-_SERVER = forkserver.ForkServer()
-_SERVER.set_forkserver_preload(PRELOAD)
-
-
-class _EnginePopen(popen_forkserver.Popen):
-    """Launches through the engines' own fork server, not multiprocessing's one per process: tests/learner_ranks.py
-    preloads that one with DeepSpeed, and whichever starts first in a session would decide the other's imports and
-    environment."""
-
-    def _launch(self, process_obj: Any) -> None:
-        data = io.BytesIO()
-        context.set_spawning_popen(self)  # the queues' pipes go to the child as fds passed through the server
-        try:
-            reduction.dump(spawn.get_preparation_data(process_obj._name), data)
-            reduction.dump(process_obj, data)
-        finally:
-            context.set_spawning_popen(None)
-        saved = {k: os.environ.get(k) for k in SERVER_ENV}
-        os.environ.update(SERVER_ENV)  # what the server imports with, when this starts it (the first engine)
-        try:
-            _SERVER.ensure_running()
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k)
-                else:
-                    os.environ[k] = v
-        self.sentinel, w = _SERVER.connect_to_new_process(self._fds)
-        parent_w = os.dup(w)  # the child watches this end to know its parent is alive
-        self.finalizer = util.Finalize(self, util.close_fds, (parent_w, self.sentinel))
-        with open(w, "wb", closefd=True) as f:
-            f.write(data.getbuffer())
-        self.pid = forkserver.read_signed(self.sentinel)
-
-
-class _EngineProcess(context.ForkServerProcess):
-    @staticmethod
-    def _Popen(process_obj: Any) -> _EnginePopen:
-        return _EnginePopen(process_obj)
-
-
-class _EngineContext(context.ForkServerContext):
-    Process = _EngineProcess
-
-
-_CONTEXT = _EngineContext()
-
-
 def engine_context() -> mp.context.BaseContext:
-    """The multiprocessing context of the CPU tests' engine processes (and their queues): forks of one server per
-    test session that imported ``PRELOAD`` with ``SERVER_ENV``."""
-    return _CONTEXT
+    """The multiprocessing context of the CPU tests' engine processes (and their queues): forks of the session's
+    fork server (tests/fork_server.py), which imported vLLM once."""
+    from fork_server import fork_context
+
+    return fork_context()
 
 
 def expect(out: Any, kind: str, timeout_s: float = 60.0) -> Any:

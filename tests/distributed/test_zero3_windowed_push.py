@@ -13,8 +13,8 @@ import traceback
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from conftest import stop_process
+from fork_server import fork_context
 
 from async_rlhf.endpoints import free_port
 
@@ -149,8 +149,7 @@ def rank_main(rank: int, port: int, save_dir: str, out) -> None:
 
 
 def test_zero3_push_and_save_gather_a_bounded_window_at_a_time(tmp_path) -> None:
-    ctx = mp.get_context("forkserver")  # the ranks fork from a server that imported DeepSpeed once (as learner_ranks)
-    ctx.set_forkserver_preload(["deepspeed", "transformers", "async_rlhf.learner.push", "async_rlhf.learner.zero3"])
+    ctx = fork_context()  # the ranks fork from the session's server, which imported DeepSpeed once
     out = ctx.Queue()
     port = free_port()
     save_dir = str(tmp_path / "policy")
