@@ -78,8 +78,9 @@ def main() -> None:
     by_phase = cluster.startup_s_by_phase
     by_phase["driver"] = {"model": round(model_s, 3), **by_phase.get("driver", {})}
     where = {role: [n["node"] for n in found] for role, found in cluster.nodes.items()}
-    print(f"scale: started {args.generators} generator(s) and {args.learners} learner rank(s) on "
-          f"{len({ip for ips in where.values() for ip in ips})} node(s) in {startup_s:.0f} s", flush=True)
+    nodes = len({ip for ips in where.values() for ip in ips})
+    print(f"scale: started {args.generators} generator(s) and {args.learners} learner rank(s) on {nodes} node(s) "
+          f"in {startup_s:.0f} s", flush=True)
     try:
         figures = train(cfg, cluster, run_dir)
         print("scale: trained; measuring the raw broadcast, the all-reduce and peak memory", flush=True)
@@ -94,7 +95,7 @@ def main() -> None:
     gaps = version_gaps(records, versions, members)
     row = {
         "generators": args.generators, "learners": args.learners,
-        "nodes": len({ip for ips in where.values() for ip in ips}),
+        "nodes": nodes,
         "startup_s": round(startup_s, 2), "startup_s_by_phase": by_phase,
         "steps": len(records), "steps_per_s": steps_per_s(records), "train_s": figures["wall_time_s"],
         "step_time_s": step_times(records),

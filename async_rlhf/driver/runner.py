@@ -322,7 +322,6 @@ def run(cfg: Config, address: str | None = None, cache_root: Path = Path("runs/c
         print(f"task.name={cfg.task.name} has no held-out set of its own: no held-out figure is reported; give "
               "one with prompts.eval_path=FILE (JSONL or Parquet, scored by rewards.sources)", flush=True)
     cluster = Cluster(cfg, model_path, address)
-    startup_s = time.time() - t0
     by_phase = cluster.startup_s_by_phase
     by_phase["driver"] = {"model": round(model_s, 3), **by_phase.get("driver", {})}
     if stop is not None:
@@ -334,10 +333,10 @@ def run(cfg: Config, address: str | None = None, cache_root: Path = Path("runs/c
             # startup_s only if it outlasted them)
             by_phase["driver"]["held-out eval (beside)"] = round(start_eval.seconds, 3)
             print(f"policy {model_path}: held-out greedy accuracy {start_acc:.3f} before RL", flush=True)
-            startup_s = time.time() - t0
+        startup_s = time.time() - t0
         (run_dir / "cpu_plan.json").write_text(json.dumps(cluster.cpu_plan.to_dict(), indent=2))
         print(f"started {cfg.generators} generator(s), {cfg.learners} learner(s), buffer at "
-              f"{cluster.buffer_address} in {time.time() - t0:.0f}s", flush=True)
+              f"{cluster.buffer_address} in {startup_s:.0f}s", flush=True)
         # the user's held-out set, scored while the cluster is up (a reward model's actors run on Ray)
         eval_start = eval_figures(model_path, cfg)
         if eval_start is not None:
