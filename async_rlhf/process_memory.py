@@ -53,10 +53,11 @@ def peak_rss_mb(pid: int | None = None) -> dict[str, float]:
     """``self_mb`` (VmHWM of ``pid``, default this process), ``children_mb`` (of its live descendants),
     ``total_mb`` (both), ``processes`` (1 + descendants), in MB (1e6 bytes)."""
     pid = os.getpid() if pid is None else pid
-    own = status_int(_status(pid), "VmHWM") * 1024 / 1e6
+    own = round(status_int(_status(pid), "VmHWM") * 1024 / 1e6, 1)
     kids = descendants(pid)
-    children = sum(status_int(_status(c), "VmHWM") for c in kids) * 1024 / 1e6
-    return {"self_mb": round(own, 1), "children_mb": round(children, 1), "total_mb": round(own + children, 1),
+    children = round(sum(status_int(_status(c), "VmHWM") for c in kids) * 1024 / 1e6, 1)
+    # the total of the rounded parts: the three figures add up as printed
+    return {"self_mb": own, "children_mb": children, "total_mb": round(own + children, 1),
             "processes": float(1 + len(kids))}
 
 
