@@ -43,9 +43,10 @@ def shared_ray():
     of its own (a launcher job in its own session) and is marked ``isolated``."""
     import ray
 
+    from async_rlhf.driver.local_ray import start_local_ray
+
     assert not ray.is_initialized(), "a Ray was started in this process before the shared one"
-    ray.init(address="local", num_cpus=SHARED_RAY_CPUS, include_dashboard=False, log_to_driver=True,
-             runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+    start_local_ray(SHARED_RAY_CPUS, {"TOKENIZERS_PARALLELISM": "false"})  # as the launcher starts its own
     try:
         yield ray.get_runtime_context().gcs_address
     finally:

@@ -84,6 +84,7 @@ class Cluster:
         import ray
 
         from async_rlhf.buffer.actor import BufferActor
+        from async_rlhf.driver.local_ray import start_local_ray
         from async_rlhf.driver.placement import plan_placement
         from async_rlhf.driver.startup_watch import StartupWatch
         from async_rlhf.endpoints import NETWORK_ENV, make_run_keys, run_keys_env, use_node_addresses
@@ -96,16 +97,17 @@ class Cluster:
         self.plan = plan_placement(cfg)
         res = cfg.resources
         address = address or os.environ.get("RAY_ADDRESS") or None  # under `ray job submit`: the job's cluster
+        self.own_ray = False
+        """Whether this driver started the Ray it runs on (one node, this host: its processes inherit this one's
+        environment, files and cores)."""
         if not ray.is_initialized():
             if address:  # joining: Ray refuses resource arguments for a cluster it did not start
                 ray.init(address=address)
             else:  # locally, room for the plan plus a few generators added by `scale` (roles share the cores)
                 local_cpus = cfg.run.num_cpus or max(os.cpu_count() or 1, int(self.plan.totals()["CPU"] + 0.999)
                                                      + 4 * int(res.generator_cpus + 0.999))
-                # "local": a Ray of our own, never one a stale /tmp/ray/ray_current_cluster of an earlier
-                # `ray start` names
-                ray.init(address="local", include_dashboard=False, log_to_driver=True, num_cpus=local_cpus,
-                         runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+                start_local_ray(local_cpus, {"TOKENIZERS_PARALLELISM": "false"})
+                self.own_ray = True
         alive = sum(1 for n in ray.nodes() if n.get("Alive"))
         self.across_nodes = use_node_addresses(cfg.run.network, alive)
         self.role_env: dict[str, str] = {"TOKENIZERS_PARALLELISM": "false"}
@@ -169,7 +171,8 @@ class Cluster:
 
     def _probe_nodes(self) -> dict[str, list[dict[str, Any]]]:
         """Ask every bundle's node where it would listen and whether it sees the run directory and the model
-        (a task in each bundle, before the roles start); refuse a node that does not, with one line."""
+        (a task in each bundle, before the roles start; on a Ray this driver started, the driver itself); refuse a
+        node that does not, with one line."""
         import uuid
 
         import ray
@@ -180,12 +183,20 @@ class Cluster:
         run_dir.mkdir(parents=True, exist_ok=True)
         token = uuid.uuid4().hex
         (run_dir / SHARED_TOKEN).write_text(token)
-        probe = ray.remote(num_cpus=0)(probe_node)
-        env = {"env_vars": self.role_env}
-        refs = {role: [probe.options(scheduling_strategy=self._in_group(role, i), runtime_env=env).remote(
-            str(run_dir) if role == "learners" else "", token, (self.model_path,)) for i in range(r.count)]
-            for role, r in ((r.role, r) for r in self.plan.roles)}
-        nodes = {role: ray.get(rs, timeout=self.cfg.run.rendezvous_timeout_s) for role, rs in refs.items()}
+
+        def args(role: str) -> tuple[str, str, tuple[str, ...]]:
+            return str(run_dir) if role == "learners" else "", token, (self.model_path,)
+
+        if self.own_ray:  # every bundle is on this host, in workers of the raylet this process started (its
+            # environment, files and cores): the driver answers for them (a task per bundle started a worker
+            # process each: 1.5-2.4 s of a 1 + 1 start-up on 2 cores)
+            nodes = {r.role: [probe_node(*args(r.role)) for _ in range(r.count)] for r in self.plan.roles}
+        else:
+            probe = ray.remote(num_cpus=0)(probe_node)
+            env = {"env_vars": self.role_env}
+            refs = {r.role: [probe.options(scheduling_strategy=self._in_group(r.role, i), runtime_env=env).remote(
+                *args(r.role)) for i in range(r.count)] for r in self.plan.roles}
+            nodes = {role: ray.get(rs, timeout=self.cfg.run.rendezvous_timeout_s) for role, rs in refs.items()}
         (run_dir / SHARED_TOKEN).unlink(missing_ok=True)
         for role, found in nodes.items():
             for i, node in enumerate(found):

@@ -33,6 +33,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from async_rlhf.driver.local_ray import NO_PRESTART_ENV
+
 ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
 RAY = str(Path(PY).with_name("ray"))
@@ -96,6 +98,7 @@ class Nodes:
 
     def env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+        env.update(NO_PRESTART_ENV)  # as the launcher's own Ray (async_rlhf/driver/local_ray.py)
         env.update({"RAY_USAGE_STATS_ENABLED": "0", "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false",
                     "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": self.token})
         return env
