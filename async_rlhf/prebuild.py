@@ -19,7 +19,10 @@ builds it, and says so on the start-up progress line (phase ``building op shm_co
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -98,8 +101,43 @@ def warm_matplotlib() -> None:
     import matplotlib.font_manager  # noqa: F401  builds the font list cache on first import
 
 
-def main() -> int:
+def model_info_child() -> subprocess.Popen:
+    """:func:`warm_vllm_model_info` in a child process (``--vllm-model-info``), beside the op build: both take
+    20-25 s on 2 cores, the compile leaves a core idle at times and vLLM's inspection is one process per
+    architecture. A child, not a thread: the two never share an import."""
+    return subprocess.Popen([sys.executable, "-m", "async_rlhf.prebuild", "--vllm-model-info"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def model_info_result(child: subprocess.Popen) -> str:
+    """The line :func:`main` prints for the model info the child derived (or why it derived none)."""
+    out, err = child.communicate()
+    if child.returncode == 0:
+        archs = json.loads(out.strip().splitlines()[-1])
+        where = os.environ.get("VLLM_CACHE_ROOT") or "~/.cache/vllm"
+        return f"prebuild: vLLM model info of {', '.join(archs)} in {where}"
+    if child.returncode == NO_VLLM:  # an install without vLLM (never a CPU or GPU extra)
+        return "prebuild: vLLM is not installed; no model info derived"
+    # vLLM's registry is not a public API: a first run derives it instead
+    last = (err.strip().splitlines() or ["(no output)"])[-1]
+    return (f"prebuild: warning: vLLM's model info not derived ({last}); the first run derives it during its "
+            "start-up")
+
+
+NO_VLLM = 3
+"""The ``--vllm-model-info`` child's exit code when vLLM is not installed."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv == ["--vllm-model-info"]:
+        try:
+            print(json.dumps(warm_vllm_model_info()))
+        except ImportError:
+            return NO_VLLM
+        return 0
     t0 = time.perf_counter()
+    child = model_info_child()
     builder = shm_op_builder()
     if builder is None:
         print("prebuild: DeepSpeed loads no shared-memory op on this accelerator")
@@ -107,15 +145,7 @@ def main() -> int:
         fresh = load_ops()[builder.NAME]
         print(f"prebuild: DeepSpeed {builder.NAME} {'built' if fresh else 'already built'} in "
               f"{op_dir(builder.NAME)}")
-    try:
-        archs = warm_vllm_model_info()
-        where = os.environ.get("VLLM_CACHE_ROOT") or "~/.cache/vllm"
-        print(f"prebuild: vLLM model info of {', '.join(archs)} in {where}")
-    except ImportError:  # an install without vLLM (never a CPU or GPU extra)
-        print("prebuild: vLLM is not installed; no model info derived")
-    except Exception as exc:  # noqa: BLE001 - vLLM's registry is not a public API: a first run derives it instead
-        print(f"prebuild: warning: vLLM's model info not derived ({type(exc).__name__}: {exc}); the first run "
-              "derives it during its start-up")
+    print(model_info_result(child))
     warm_matplotlib()
     print(f"prebuild: done in {time.perf_counter() - t0:.0f} s")
     return 0
