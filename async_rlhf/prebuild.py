@@ -19,12 +19,14 @@ builds it, and says so on the start-up progress line (phase ``building op shm_co
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -101,22 +103,18 @@ def warm_matplotlib() -> None:
     import matplotlib.font_manager  # noqa: F401  builds the font list cache on first import
 
 
-def model_info_child() -> subprocess.Popen:
-    """:func:`warm_vllm_model_info` in a child process (``--vllm-model-info``), beside the op build: both take
-    20-25 s on 2 cores, the compile leaves a core idle at times and vLLM's inspection is one process per
-    architecture. A child, not a thread: the two never share an import."""
-    return subprocess.Popen([sys.executable, "-m", "async_rlhf.prebuild", "--vllm-model-info"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+NO_VLLM = 3
+"""The ``--vllm-model-info`` child's exit code when vLLM is not installed."""
 
 
-def model_info_result(child: subprocess.Popen) -> str:
-    """The line :func:`main` prints for the model info the child derived (or why it derived none)."""
-    out, err = child.communicate()
-    if child.returncode == 0:
+def model_info_line(code: int, out: str, err: str) -> str:
+    """The line :func:`main` prints for the model info the child derived (exit ``code``, its output ``out`` and
+    ``err``), or why it derived none."""
+    if code == 0:
         archs = json.loads(out.strip().splitlines()[-1])
         where = os.environ.get("VLLM_CACHE_ROOT") or "~/.cache/vllm"
         return f"prebuild: vLLM model info of {', '.join(archs)} in {where}"
-    if child.returncode == NO_VLLM:  # an install without vLLM (never a CPU or GPU extra)
+    if code == NO_VLLM:  # an install without vLLM (never a CPU or GPU extra)
         return "prebuild: vLLM is not installed; no model info derived"
     # vLLM's registry is not a public API: a first run derives it instead
     last = (err.strip().splitlines() or ["(no output)"])[-1]
@@ -124,8 +122,29 @@ def model_info_result(child: subprocess.Popen) -> str:
             "start-up")
 
 
-NO_VLLM = 3
-"""The ``--vllm-model-info`` child's exit code when vLLM is not installed."""
+@contextlib.contextmanager
+def model_info_beside() -> Iterator[Callable[[], str]]:
+    """:func:`warm_vllm_model_info` in a child process (``--vllm-model-info``) while the block builds the op: both
+    take 20-25 s on 2 cores, the compile leaves a core idle at times and vLLM's inspection is one process per
+    architecture. A child, not a thread: the two never share an import. Yields a call that waits for the child
+    and returns its :func:`model_info_line`. Its output goes to files (a pipe nobody reads during the compile
+    would stall a child that logs more than the pipe holds); it is killed if the block raises."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        child = subprocess.Popen([sys.executable, "-m", "async_rlhf.prebuild", "--vllm-model-info"], stdout=out,
+                                 stderr=err, text=True)
+
+        def line() -> str:
+            code = child.wait()
+            out.seek(0)
+            err.seek(0)
+            return model_info_line(code, out.read(), err.read())
+
+        try:
+            yield line
+        finally:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -137,15 +156,15 @@ def main(argv: list[str] | None = None) -> int:
             return NO_VLLM
         return 0
     t0 = time.perf_counter()
-    child = model_info_child()
-    builder = shm_op_builder()
-    if builder is None:
-        print("prebuild: DeepSpeed loads no shared-memory op on this accelerator")
-    else:
-        fresh = load_ops()[builder.NAME]
-        print(f"prebuild: DeepSpeed {builder.NAME} {'built' if fresh else 'already built'} in "
-              f"{op_dir(builder.NAME)}")
-    print(model_info_result(child))
+    with model_info_beside() as model_info:
+        builder = shm_op_builder()
+        if builder is None:
+            print("prebuild: DeepSpeed loads no shared-memory op on this accelerator")
+        else:
+            fresh = load_ops()[builder.NAME]
+            print(f"prebuild: DeepSpeed {builder.NAME} {'built' if fresh else 'already built'} in "
+                  f"{op_dir(builder.NAME)}")
+        print(model_info())
     warm_matplotlib()
     print(f"prebuild: done in {time.perf_counter() - t0:.0f} s")
     return 0

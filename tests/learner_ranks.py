@@ -100,7 +100,8 @@ def _serve(rank: int, world: int, port: int, commands: Any, out: Any) -> None:
 
 
 class _World:
-    """``size`` spawned rank processes in one DeepSpeed (gloo) group, fed scenarios one at a time."""
+    """``size`` rank processes (forks of the session's fork server) in one DeepSpeed (gloo) group, fed scenarios
+    one at a time."""
 
     def __init__(self, size: int) -> None:
         from fork_server import fork_context

@@ -12,13 +12,12 @@ process, so each engine lives in its own and answers on a queue:
     ("quit", None)     -> ("bye", None)
 first answer: ("epoch", [per worker]) once every worker joined the push group as gen0[.tp<r>].
 
-The CPU tests start their engine processes from ``engine_context()``: forks of the session's fork server
+The CPU tests start their engine processes from ``fork_context()``: forks of the session's fork server
 (tests/fork_server.py), which imported vLLM, torch and transformers once; each builds its own ``vllm.LLM``.
 """
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import queue
 import time
@@ -31,6 +30,8 @@ from async_rlhf.sync.layout import layout_from_wire
 HOST = "127.0.0.1"
 BASE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false", "VLLM_LOGGING_LEVEL": "ERROR"}
 CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+
+
 class StandingWorker(WeightSyncWorker):
     """The generator's worker extension plus what only tests ask of it: receive and load the next version
     standing still, and switch the bucket layout."""
@@ -100,14 +101,6 @@ def engine_process(model_dir: str, port: int, layout: list, engine: dict[str, An
         out.close()
         out.join_thread()
         os._exit(0)
-
-
-def engine_context() -> mp.context.BaseContext:
-    """The multiprocessing context of the CPU tests' engine processes (and their queues): forks of the session's
-    fork server (tests/fork_server.py), which imported vLLM once."""
-    from fork_server import fork_context
-
-    return fork_context()
 
 
 def expect(out: Any, kind: str, timeout_s: float = 60.0) -> Any:

@@ -25,7 +25,8 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import sequence_logprobs, stop_process
-from vllm_engine import HOST, engine_context, expect
+from fork_server import fork_context
+from vllm_engine import HOST, expect
 
 from async_rlhf.sync.group import free_port
 from async_rlhf.sync.layout import TensorSpec, layout_from_wire, layout_to_wire, plan_buckets
@@ -132,7 +133,7 @@ def generator(tmp_path_factory: pytest.TempPathFactory):
     layout = layout_to_wire(plan_buckets([TensorSpec(n, tuple(t.shape), dtype_name(t)) for n, t in base.items()],
                                          BUCKET_BYTES))
     sender = Sender(layout_from_wire(layout), HOST, free_port(), timeout_s=TIMEOUT_S)
-    ctx = engine_context()
+    ctx = fork_context()
     cmds, out = ctx.Queue(), ctx.Queue()
     proc = ctx.Process(target=_generator, args=(str(model_dir), sender.port, layout, cmds, out), daemon=True)
     proc.start()

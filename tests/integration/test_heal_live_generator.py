@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import joins_noticed, stop_process
+from fork_server import fork_context
 from test_weight_sync_vllm import ENGINE_START_S, TIMEOUT_S, _engine, layout_of, perturbed, reference_logprobs
-from vllm_engine import HOST, engine_context, expect, max_diff
+from vllm_engine import HOST, expect, max_diff
 
 from async_rlhf.sync.group import free_port
 from async_rlhf.sync.layout import layout_from_wire
@@ -49,7 +50,7 @@ def test_healing_a_live_generator_loads_the_next_version_whole(tmp_path: Path) -
     seqs = torch.randint(0, model.config.vocab_size, (4, 24), generator=g).tolist()
     layout = layout_of(base)
     sender = Sender(layout_from_wire(layout), HOST, free_port(), timeout_s=TIMEOUT_S)
-    ctx = engine_context()
+    ctx = fork_context()
     cmds, out = ctx.Queue(), ctx.Queue()
     proc = ctx.Process(target=_engine, args=(str(model_dir), sender.port, layout, cmds, out), daemon=True)
     proc.start()

@@ -27,7 +27,8 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import poll_joiners, stop_process
-from vllm_engine import EXTENSION, engine_context, expect
+from fork_server import fork_context
+from vllm_engine import EXTENSION, expect
 
 from async_rlhf.sync.group import free_port
 from async_rlhf.sync.layout import TensorSpec, layout_from_wire, layout_to_wire, plan_buckets
@@ -164,10 +165,10 @@ def next_token_probs(model, weights: dict[str, torch.Tensor], seqs: torch.Tensor
 
 
 class Engine:
-    """One vLLM engine process (engine_context: a fork of a server that imported vLLM) and its command queues."""
+    """One vLLM engine process (fork_context: a fork of a server that imported vLLM) and its command queues."""
 
     def __init__(self, model_dir: Path, port: int, layout: list, member_id: str, late: bool = False) -> None:
-        ctx = engine_context()
+        ctx = fork_context()
         self.cmds, self.out = ctx.Queue(), ctx.Queue()
         self.proc = ctx.Process(target=_engine, args=(str(model_dir), port, layout, member_id, late, self.cmds,
                                                       self.out), daemon=True)

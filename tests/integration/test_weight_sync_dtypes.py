@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import stop_process
+from fork_server import fork_context
 from test_weight_sync_vllm import ENGINE_START_S, TIMEOUT_S, _engine, layout_of, perturbed, reference_logprobs
-from vllm_engine import HOST, engine_context, expect, max_diff
+from vllm_engine import HOST, expect, max_diff
 
 from async_rlhf.sync.group import free_port
 from async_rlhf.sync.layout import layout_from_wire
@@ -46,7 +47,7 @@ def test_16_bit_engine_receives_weights_in_its_dtype(tmp_path: Path, dtype: str)
     layout = layout_of(v1)
     assert {b["dtype"] for b in layout} == {dtype} and len(layout) > 1
     sender = Sender(layout_from_wire(layout), HOST, free_port(), timeout_s=TIMEOUT_S)
-    ctx = engine_context()
+    ctx = fork_context()
     cmds, out = ctx.Queue(), ctx.Queue()
     proc = ctx.Process(target=_engine, args=(str(model_dir), sender.port, layout, cmds, out, dtype), daemon=True)
     proc.start()

@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import stop_process
+from fork_server import fork_context
 from test_weight_sync_vllm import ENGINE_START_S, TIMEOUT_S, _engine
-from vllm_engine import HOST, engine_context, expect, max_diff
+from vllm_engine import HOST, expect, max_diff
 
 from async_rlhf.config import LoraConfig
 from async_rlhf.sync.group import free_port
@@ -75,7 +76,7 @@ def test_vllm_serves_the_lora_learners_merged_weights(tmp_path: Path) -> None:
     target = torch.randint(0, policy.config.vocab_size, (4, 24), generator=g).tolist()
 
     sender = Sender(buckets, HOST, free_port(), timeout_s=TIMEOUT_S)
-    ctx = engine_context()
+    ctx = fork_context()
     cmds, out = ctx.Queue(), ctx.Queue()
     proc = ctx.Process(target=_engine, args=(str(model_dir), sender.port, layout, cmds, out), daemon=True)
     proc.start()

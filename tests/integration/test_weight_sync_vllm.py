@@ -23,7 +23,8 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import stop_process
-from vllm_engine import CPU_ENV, HOST, engine_context, engine_process, expect, max_diff
+from fork_server import fork_context
+from vllm_engine import CPU_ENV, HOST, engine_process, expect, max_diff
 
 from async_rlhf.sync.group import free_port
 from async_rlhf.sync.layout import TensorSpec, layout_from_wire, layout_to_wire, plan_buckets
@@ -80,7 +81,7 @@ def test_vllm_receives_pushed_weights_fp32_and_bf16_with_tied_lm_head(tmp_path: 
     fp32_layout = layout_of(base)
     assert len(fp32_layout) > 1
     sender = Sender(layout_from_wire(fp32_layout), HOST, free_port(), timeout_s=TIMEOUT_S)
-    ctx = engine_context()
+    ctx = fork_context()
     cmds, out = ctx.Queue(), ctx.Queue()
     proc = ctx.Process(target=_engine, args=(str(model_dir), sender.port, fp32_layout, cmds, out), daemon=True)
     proc.start()

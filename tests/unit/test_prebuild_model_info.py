@@ -7,32 +7,22 @@ import json
 
 import pytest
 
-from async_rlhf.prebuild import NO_VLLM, model_info_result
+from async_rlhf.prebuild import NO_VLLM, model_info_line
 
 pytestmark = pytest.mark.unit
 
 
-class Finished:
-    """What model_info_result reads of a finished child: communicate() and returncode."""
-
-    def __init__(self, code: int, out: str = "", err: str = "") -> None:
-        self.returncode, self._out, self._err = code, out, err
-
-    def communicate(self) -> tuple[str, str]:
-        return self._out, self._err
-
-
 def test_the_derived_architectures_are_named(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VLLM_CACHE_ROOT", "/caches/vllm")
-    line = model_info_result(Finished(0, "INFO noise\n" + json.dumps(["Qwen2ForCausalLM", "LlamaForCausalLM"])))
+    line = model_info_line(0, "INFO noise\n" + json.dumps(["Qwen2ForCausalLM", "LlamaForCausalLM"]), "")
     assert line == "prebuild: vLLM model info of Qwen2ForCausalLM, LlamaForCausalLM in /caches/vllm"
 
 
 def test_no_vllm_is_said_plainly() -> None:
-    assert model_info_result(Finished(NO_VLLM)) == "prebuild: vLLM is not installed; no model info derived"
+    assert model_info_line(NO_VLLM, "", "") == "prebuild: vLLM is not installed; no model info derived"
 
 
 def test_a_failing_child_is_a_warning_with_its_last_error_line() -> None:
-    line = model_info_result(Finished(1, err="Traceback ...\nKeyError: 'Qwen2ForCausalLM'\n"))
+    line = model_info_line(1, "", "Traceback ...\nKeyError: 'Qwen2ForCausalLM'\n")
     assert line.startswith("prebuild: warning: vLLM's model info not derived (KeyError: 'Qwen2ForCausalLM')")
     assert "the first run derives it" in line

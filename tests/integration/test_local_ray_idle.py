@@ -1,0 +1,41 @@
+"""The Ray a run starts for itself (``start_local_ray``) really starts no idle worker: Ray ignores an unknown
+``RAY_*`` variable silently, so only a real Ray can tell that the names are ones it reads. A plain ``ray.init``
+with the same CPUs prestarts idle workers as the driver connects (2 for 4 CPUs here), so the
+count below fails if the variables stop working."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+PROBE = r"""
+import json, sys, time
+import psutil, ray
+from async_rlhf.driver.local_ray import start_local_ray
+if sys.argv[1] == "ours":
+    start_local_ray(4, {})
+else:
+    ray.init(address="local", include_dashboard=False, num_cpus=4)
+time.sleep(2)  # the prestart, when on, starts with the driver (its workers were there right after init)
+idle = [p for p in psutil.Process().children(recursive=True) if "ray::IDLE" in " ".join(p.cmdline())]
+print(json.dumps(len(idle)))
+ray.shutdown()
+"""
+
+
+def idle_workers(mode: str) -> int:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}  # nothing of the session's Ray
+    proc = subprocess.run([sys.executable, "-c", PROBE, mode], env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_a_plain_ray_prestarts_idle_workers_and_ours_none() -> None:
+    assert idle_workers("plain") > 0, "Ray's prestart is off by default here: this check could not fail"
+    assert idle_workers("ours") == 0
