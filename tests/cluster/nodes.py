@@ -209,48 +209,93 @@ class Nodes:
         """The head on node 0 (resources head and node0; the dashboard serves ``ray job submit``), then a worker
         on every other node (resources worker and node<i>), each with ``cpus`` logical CPUs, one at a time: on 2
         busy cores, workers started together time out registering with the GCS (seen: 2 of 3 failed). A worker
-        whose ``ray start`` ends before its node registered is started again, up to ``attempts`` times."""
+        whose ``ray start`` ends before its node registered is started again, up to ``attempts`` times. One
+        :class:`NodeCount` watches the count throughout (a probe per poll imported Ray every 2 s: on a loaded
+        machine each import took over a minute and the cluster never came up)."""
         logs.mkdir(parents=True, exist_ok=True)
         self.node_procs[0] = self.popen(self.ns(0), [
             RAY, "start", "--head", "--block", "--node-ip-address", self.ip(0), "--port", str(GCS_PORT),
             "--num-cpus", str(cpus), "--resources", json.dumps({"head": cpus, "node0": cpus}),
             "--dashboard-host", self.ip(0), "--dashboard-port", str(DASHBOARD_PORT),
             "--temp-dir", str(self.temp_dir)], logs / "node0.log")
-        self.wait_nodes(1, self.node_procs[0])
-        for i in range(1, self.count):
-            for attempt in range(attempts):
-                self.node_procs[i] = self.popen(self.ns(i), [
-                    RAY, "start", "--block", "--address", self.address, "--node-ip-address", self.ip(i),
-                    "--num-cpus", str(cpus), "--resources", json.dumps({"worker": cpus, f"node{i}": cpus})],
-                    logs / f"node{i}.{attempt}.log")
-                try:
-                    self.wait_nodes(i + 1, self.node_procs[i])
-                    break
-                except NamespaceError:
-                    self.stop(self.node_procs[i])
-                    if attempt == attempts - 1:
-                        raise
+        with NodeCount(self, logs / "node_count.log") as alive:
+            self.wait_nodes(1, alive, self.node_procs[0])
+            for i in range(1, self.count):
+                for attempt in range(attempts):
+                    self.node_procs[i] = self.popen(self.ns(i), [
+                        RAY, "start", "--block", "--address", self.address, "--node-ip-address", self.ip(i),
+                        "--num-cpus", str(cpus), "--resources", json.dumps({"worker": cpus, f"node{i}": cpus})],
+                        logs / f"node{i}.{attempt}.log")
+                    try:
+                        self.wait_nodes(i + 1, alive, self.node_procs[i])
+                        break
+                    except NamespaceError:
+                        self.stop(self.node_procs[i])
+                        if attempt == attempts - 1:
+                            raise
 
-    def wait_nodes(self, count: int, proc: subprocess.Popen | None = None, timeout_s: float = 120.0) -> None:
-        """Until ``count`` Ray nodes are alive; raises :class:`NamespaceError` past ``timeout_s`` or as soon as
-        ``proc`` (the ``ray start`` of the node awaited) has ended."""
-        probe = ("import ray,sys; ray.init(address=sys.argv[1], logging_level='ERROR'); "
-                 "print(sum(1 for n in ray.nodes() if n['Alive']))")
+    def wait_nodes(self, count: int, alive: NodeCount, proc: subprocess.Popen | None = None,
+                   timeout_s: float = 180.0) -> None:
+        """Until ``alive`` reports ``count`` Ray nodes; raises :class:`NamespaceError` past ``timeout_s`` or as soon
+        as ``proc`` (the ``ray start`` of the node awaited) has ended."""
         deadline = time.monotonic() + timeout_s
         last = ""
         while time.monotonic() < deadline:
-            try:
-                out = self.run(self.ns(0), [PY, "-c", probe, self.address], timeout_s=60)
-                last = (out.stdout.strip().splitlines() or [""])[-1]
-            except subprocess.TimeoutExpired:
-                last = "(probe timed out)"
+            last = alive.latest()
             if last == str(count):
                 return
             if proc is not None and proc.poll() is not None:
                 raise NamespaceError(f"a Ray node's start ended (exit {proc.returncode}) with {last} of {count} "
                                      "nodes up")
-            time.sleep(2)
+            time.sleep(0.5)
         raise NamespaceError(f"the {self.count}-node Ray cluster did not come up: {count} nodes wanted, saw {last!r}")
+
+
+class NodeCount:
+    """One Python in the head's namespace that joins the cluster once (retrying until the GCS answers) and writes
+    the number of alive Ray nodes to ``log`` every second; :meth:`latest` reads the last line (a probe that ended
+    is started again). A context manager: the probe is stopped at exit."""
+
+    PROBE = ("import sys, time, ray\n"
+             "while True:\n"
+             "    try:\n"
+             "        ray.init(address=sys.argv[1], logging_level='ERROR')\n"
+             "        break\n"
+             "    except Exception as e:  # the head's GCS is not up yet\n"
+             "        print(f'(no GCS yet: {type(e).__name__})', flush=True)\n"
+             "        time.sleep(1)\n"
+             "while True:\n"
+             "    print(sum(1 for n in ray.nodes() if n['Alive']), flush=True)\n"
+             "    time.sleep(1)\n")
+
+    def __init__(self, nodes: Nodes, log: Path) -> None:
+        self.nodes, self.log = nodes, log
+        self.proc: subprocess.Popen | None = None
+        self.starts = 0
+
+    def __enter__(self) -> NodeCount:
+        self._start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc is not None:
+            self.nodes.stop(self.proc, grace_s=5)
+            self.nodes.procs.remove(self.proc)
+
+    def _start(self) -> None:
+        self.starts += 1
+        self.proc = self.nodes.popen(self.nodes.head_ns, [PY, "-c", self.PROBE, self.nodes.address],
+                                     self.log.with_suffix(f".{self.starts}.log"))
+
+    def latest(self) -> str:
+        assert self.proc is not None, "NodeCount is used as a context manager"
+        lines = self.log.with_suffix(f".{self.starts}.log").read_text().splitlines()
+        code = self.proc.poll()
+        if code is not None:  # it lost the GCS or failed: the next read is a new probe's
+            self.nodes.procs.remove(self.proc)
+            self._start()
+            return f"(probe ended, exit {code}: {' | '.join(lines[-3:])})"
+        return lines[-1].strip() if lines else "(probe starting)"
 
 
 def new_nodes(count: int, temp_dir: Path, subnet_base: int = 100) -> Nodes:

@@ -22,9 +22,21 @@ if sys.argv[1] == "ours":
     start_local_ray(4, {})
 else:
     ray.init(address="local", include_dashboard=False, num_cpus=4)
-time.sleep(2)  # the prestart, when on, starts with the driver (its workers were there right after init)
-idle = [p for p in psutil.Process().children(recursive=True) if "ray::IDLE" in " ".join(p.cmdline())]
-print(json.dumps(len(idle)))
+def idle():  # a worker is default_worker.py from its spawn, ray::IDLE once it has imported Ray
+    found = 0
+    for p in psutil.Process().children(recursive=True):
+        try:
+            cmd = " ".join(p.cmdline())
+        except psutil.Error:  # ended meanwhile
+            continue
+        found += "ray::IDLE" in cmd or "default_worker.py" in cmd
+    return found
+# the prestart, when on, starts with the driver (its workers were there right after init); polled for up to 30 s
+# (a loaded machine), 3 s at least
+start = time.monotonic()
+while time.monotonic() - start < 3 or (not idle() and time.monotonic() - start < 30):
+    time.sleep(0.5)
+print(json.dumps(idle()))
 ray.shutdown()
 """
 
