@@ -12,18 +12,66 @@ Ray reads these variables when its processes start; one already set by the user 
 
 from __future__ import annotations
 
+import logging
 import os
+
+logger = logging.getLogger(__name__)
 
 NO_PRESTART_ENV = {"RAY_enable_worker_prestart": "0", "RAY_prestart_worker_first_driver": "0"}
 
 
-def start_local_ray(num_cpus: int, env_vars: dict[str, str]) -> None:
+START_TIMED_OUT = "timed out during startup"
+"""What ``ray.init`` raises when the raylet it started has not registered with the GCS within Ray's fixed 30 s:
+seen on a loaded 2-core machine (two stacks starting beside it), where the same start takes 20 s with ten busy
+processes beside it."""
+
+
+def start_local_ray(num_cpus: int, env_vars: dict[str, str], attempts: int = 3) -> None:
     """A Ray of this process's own (``address="local"``: never one an earlier ``ray start`` left in
     /tmp/ray/ray_current_cluster), ``num_cpus`` logical CPUs, ``env_vars`` in every worker, no prestarted
-    workers."""
+    workers. A start that timed out (:data:`START_TIMED_OUT`) has its processes stopped (by pid: the children this
+    call started) and is tried again, up to ``attempts`` starts."""
     import ray
 
     for key, value in NO_PRESTART_ENV.items():
         os.environ.setdefault(key, value)  # the raylet and GCS this call starts inherit them
-    ray.init(address="local", include_dashboard=False, log_to_driver=True, num_cpus=num_cpus,
-             runtime_env={"env_vars": env_vars})
+    for attempt in range(1, attempts + 1):
+        before = child_pids()
+        try:
+            ray.init(address="local", include_dashboard=False, log_to_driver=True, num_cpus=num_cpus,
+                     runtime_env={"env_vars": env_vars})
+            return
+        except Exception as exc:
+            if START_TIMED_OUT not in str(exc):
+                raise
+            stopped = stop_children_since(before)
+            if attempt == attempts:
+                raise RuntimeError(
+                    f"the local Ray did not come up: {attempts} starts each timed out after Ray's 30 s waiting for "
+                    f"its raylet to register (load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores). "
+                    "Start the run when the machine is less busy, or start Ray yourself (`ray start --head`) and "
+                    "pass --address") from exc
+            logger.warning("the local Ray's raylet did not register within Ray's 30 s (load average %.1f): stopped "
+                           "its %d processes, starting it again (start %d of %d)", os.getloadavg()[0], len(stopped),
+                           attempt + 1, attempts)
+
+
+def child_pids() -> set[int]:
+    import psutil
+
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+def stop_children_since(before: set[int], grace_s: float = 5.0) -> list[int]:
+    """Kill this process's descendants that were not there in ``before`` (what a failed start left: GCS, raylet,
+    agents, the reaper); returns their pids."""
+    import psutil
+
+    new = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    for proc in new:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(new, timeout=grace_s)
+    return [p.pid for p in new]

@@ -209,44 +209,58 @@ class Nodes:
         """The head on node 0 (resources head and node0; the dashboard serves ``ray job submit``), then a worker
         on every other node (resources worker and node<i>), each with ``cpus`` logical CPUs, one at a time: on 2
         busy cores, workers started together time out registering with the GCS (seen: 2 of 3 failed). A worker
-        whose ``ray start`` ends before its node registered is started again, up to ``attempts`` times. One
-        :class:`NodeCount` watches the count throughout (a probe per poll imported Ray every 2 s: on a loaded
-        machine each import took over a minute and the cluster never came up)."""
+        whose ``ray start`` ends before its node registered is started again, up to ``attempts`` times; so is the
+        whole cluster when the head ends (seen on a loaded machine: the head's Ray client server gave up after
+        30 s waiting for the head's own raylet to register, and ``ray start --block`` ended the head with it). One
+        :class:`NodeCount` per head watches the count (a probe per poll imported Ray every 2 s: on a loaded
+        machine each import took over a minute)."""
         logs.mkdir(parents=True, exist_ok=True)
-        self.node_procs[0] = self.popen(self.ns(0), [
+        for attempt in range(attempts):
+            try:
+                self._start_nodes(logs, cpus, attempt, attempts)
+                return
+            except NamespaceError:
+                head = self.node_procs[0]
+                if head.poll() is None or attempt == attempts - 1:
+                    raise
+                self.stop_all([self.node_procs.pop(i) for i in sorted(self.node_procs)])
+
+    def _start_nodes(self, logs: Path, cpus: int, head_attempt: int, attempts: int) -> None:
+        head = self.node_procs[0] = self.popen(self.ns(0), [
             RAY, "start", "--head", "--block", "--node-ip-address", self.ip(0), "--port", str(GCS_PORT),
             "--num-cpus", str(cpus), "--resources", json.dumps({"head": cpus, "node0": cpus}),
             "--dashboard-host", self.ip(0), "--dashboard-port", str(DASHBOARD_PORT),
-            "--temp-dir", str(self.temp_dir)], logs / "node0.log")
-        with NodeCount(self, logs / "node_count.log") as alive:
-            self.wait_nodes(1, alive, self.node_procs[0])
+            "--temp-dir", str(self.temp_dir)], logs / f"node0.{head_attempt}.log")
+        with NodeCount(self, logs / f"node_count.{head_attempt}.log") as alive:
+            self.wait_nodes(1, alive, [head])
             for i in range(1, self.count):
                 for attempt in range(attempts):
                     self.node_procs[i] = self.popen(self.ns(i), [
                         RAY, "start", "--block", "--address", self.address, "--node-ip-address", self.ip(i),
                         "--num-cpus", str(cpus), "--resources", json.dumps({"worker": cpus, f"node{i}": cpus})],
-                        logs / f"node{i}.{attempt}.log")
+                        logs / f"node{i}.{head_attempt}.{attempt}.log")
                     try:
-                        self.wait_nodes(i + 1, alive, self.node_procs[i])
+                        self.wait_nodes(i + 1, alive, [head, self.node_procs[i]])
                         break
                     except NamespaceError:
                         self.stop(self.node_procs[i])
-                        if attempt == attempts - 1:
+                        if attempt == attempts - 1 or head.poll() is not None:
                             raise
 
-    def wait_nodes(self, count: int, alive: NodeCount, proc: subprocess.Popen | None = None,
+    def wait_nodes(self, count: int, alive: NodeCount, starts: list[subprocess.Popen],
                    timeout_s: float = 180.0) -> None:
         """Until ``alive`` reports ``count`` Ray nodes; raises :class:`NamespaceError` past ``timeout_s`` or as soon
-        as ``proc`` (the ``ray start`` of the node awaited) has ended."""
+        as one of ``starts`` (the ``ray start`` of the head and of the node awaited) has ended."""
         deadline = time.monotonic() + timeout_s
         last = ""
         while time.monotonic() < deadline:
             last = alive.latest()
             if last == str(count):
                 return
-            if proc is not None and proc.poll() is not None:
-                raise NamespaceError(f"a Ray node's start ended (exit {proc.returncode}) with {last} of {count} "
-                                     "nodes up")
+            ended = [p for p in starts if p.poll() is not None]
+            if ended:
+                raise NamespaceError(f"a Ray node's start ended (exit {ended[0].returncode}, namespace "
+                                     f"{ended[0].args[3]}) with {last} of {count} nodes up")
             time.sleep(0.5)
         raise NamespaceError(f"the {self.count}-node Ray cluster did not come up: {count} nodes wanted, saw {last!r}")
 

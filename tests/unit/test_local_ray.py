@@ -9,6 +9,7 @@ import types
 
 import pytest
 
+from async_rlhf.driver import local_ray
 from async_rlhf.driver.local_ray import NO_PRESTART_ENV, start_local_ray
 
 pytestmark = pytest.mark.unit
@@ -41,3 +42,47 @@ def test_a_users_setting_wins(fake_ray: list[dict], monkeypatch: pytest.MonkeyPa
     start_local_ray(2, {})
     assert fake_ray[0]["env"]["RAY_prestart_worker_first_driver"] == "1"
     assert fake_ray[0]["env"]["RAY_enable_worker_prestart"] == "0"
+
+
+def timing_out_ray(monkeypatch: pytest.MonkeyPatch, failures: int, error: str) -> list[int]:
+    """A ray whose init raises ``error`` ``failures`` times, then starts; a failed start's processes are recorded
+    as stopped instead of looked for."""
+    calls: list[int] = []
+
+    def init(**kwargs):
+        calls.append(len(calls))
+        if len(calls) <= failures:
+            raise Exception(error)
+
+    monkeypatch.setitem(sys.modules, "ray", types.SimpleNamespace(init=init))
+    monkeypatch.setattr(local_ray, "child_pids", lambda: set())
+    monkeypatch.setattr(local_ray, "stop_children_since", lambda before: [101, 102])
+    return calls
+
+
+TIMED_OUT = ("The current node timed out during startup. This could happen because some of the raylet failed to "
+             "startup or the GCS has become overloaded.")  # ray 2.60's words
+
+
+def test_a_start_that_timed_out_is_stopped_and_tried_again(monkeypatch: pytest.MonkeyPatch,
+                                                           caplog: pytest.LogCaptureFixture) -> None:
+    calls = timing_out_ray(monkeypatch, 2, TIMED_OUT)
+    with caplog.at_level("WARNING", logger="async_rlhf.driver.local_ray"):
+        start_local_ray(2, {})
+    assert calls == [0, 1, 2]
+    assert [r.getMessage().split("(start ")[-1] for r in caplog.records] == ["2 of 3)", "3 of 3)"]
+    assert all("stopped its 2 processes" in r.getMessage() for r in caplog.records)
+
+
+def test_every_start_timing_out_names_the_load_and_the_way_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = timing_out_ray(monkeypatch, 5, TIMED_OUT)
+    with pytest.raises(RuntimeError, match=r"3 starts each timed out .*load average .* --address"):
+        start_local_ray(2, {}, attempts=3)
+    assert len(calls) == 3
+
+
+def test_any_other_failure_is_raised_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = timing_out_ray(monkeypatch, 5, "Permission denied: /tmp/ray")
+    with pytest.raises(Exception, match="Permission denied"):
+        start_local_ray(2, {})
+    assert calls == [0]
