@@ -15,11 +15,12 @@ demo: $(STAMP)
 	$(VENV)/bin/python launch/cluster.py --generators 2 --learners 1 run.overwrite=true
 
 # Test files run two at a time (pytest-xdist; a file's tests stay on one worker, so its module fixtures start
-# once): one file after another left a core idle a quarter of the run (docs/testing.md).
+# once), the longest tiers first (tests/conftest.py, RUN_ORDER): one file after another left a core idle a quarter of
+# the run (docs/testing.md).
 TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=40 tests
+	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=40 tests
 
 # the unit tier alone (no server, no process group, no engine): a minute or two
 test-fast: $(STAMP)

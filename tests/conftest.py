@@ -190,13 +190,22 @@ TIERS = ("unit", "distributed", "integration", "cluster", "gpu")
 """A test's tier is its folder under tests/ (``make test-fast`` runs ``-m unit``)."""
 
 
+RUN_ORDER = ("cluster", "integration", "distributed", "gpu", "unit")
+"""The tiers' order in a run, longest files first: ``make test`` runs two files at a time in this order
+(``--dist loadfile --no-loadscope-reorder``), so the short unit files fill the end and both workers finish
+together (the cluster module alone takes about 5 minutes)."""
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     root = Path(__file__).parent
+    tiers = {}
     for item in items:
         parts = Path(str(item.fspath)).relative_to(root).parts
         if len(parts) > 1 and parts[0] in TIERS:
             item.add_marker(getattr(pytest.mark, parts[0]))
+            tiers[item.nodeid] = parts[0]
         check_isolation(item)
+    items.sort(key=lambda item: RUN_ORDER.index(tiers[item.nodeid]) if item.nodeid in tiers else len(RUN_ORDER))
 
 
 def check_isolation(item: pytest.Item) -> None:

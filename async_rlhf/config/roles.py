@@ -148,6 +148,10 @@ class RunConfig(Section):
     cpus: str = ""
     """Cores the whole run may use on this host, e.g. 0-7 (empty: this process's affinity); roles are placed
     within them (generator.cpus, learner.cpus, buffer.cpus)."""
+    pin: Literal["auto", "always"] = "auto"
+    """auto: the roles are pinned to the CPU plan's cores unless another run on this host has pinned its roles to
+    some of them (then this run's roles use every core: two runs split the same cores put both runs' generators
+    on one side); always: pinned regardless. Explicit generator/learner/buffer.cpus always pin."""
     checkpoint_every: Count = 0
     """Learner steps between checkpoints in run.dir/checkpoints (0: only the final one)."""
     checkpoint_every_s: NonNegative = 0.0

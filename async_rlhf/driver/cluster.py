@@ -50,14 +50,18 @@ def heldout_accuracy(model_dir: str, cfg: Config) -> float:
 
 
 def pin_roles(cfg: Config, buffer: Any, generators: list[Any], learners: list[Any],
-              nodes: dict[str, list[dict[str, Any]]]) -> Any:
-    """Pin every actor's process to its cores of the CPU plan (``async_rlhf.driver.cpu_plan``); returns the plan.
+              nodes: dict[str, list[dict[str, Any]]]) -> tuple[Any, Any]:
+    """Pin every actor's process to its cores of the CPU plan (``async_rlhf.driver.cpu_plan``); returns the plan
+    and the claim on this host's cores (``async_rlhf.driver.core_claims``; None when nothing was claimed).
 
     ``nodes``: where each role's bundles are (``Cluster._probe_nodes``). On one host the plan uses this host's
-    cores; across nodes each node is planned from its own cores."""
+    cores; across nodes each node is planned from its own cores. On the driver's own host, cores another run
+    claimed are not split again: the roles run unpinned instead."""
     import ray
 
+    from async_rlhf.driver.core_claims import claim_or_unpin
     from async_rlhf.driver.cpu_plan import pin_actor, plan_nodes
+    from async_rlhf.endpoints import node_ip
 
     per_node: dict[str, dict[str, Any]] = {}
     for role in ("generators", "learners", "buffer"):
@@ -68,13 +72,16 @@ def pin_roles(cfg: Config, buffer: Any, generators: list[Any], learners: list[An
             else:
                 entry[role].append(i)
     plan = plan_nodes(cfg, per_node)  # one node too: it may not be the driver's host (--address)
+    claim = None
+    if list(per_node) == [node_ip()]:  # this host's cores: another run on it may have pinned them
+        plan, claim = claim_or_unpin(cfg, plan)
     actors = {"buffer": buffer, **{f"generator {i}": g for i, g in enumerate(generators)},
               **{f"learner {r}": lr for r, lr in enumerate(learners)}}
     ray.get([a.__ray_call__.remote(pin_actor, list(plan.placements[name].cores), None, plan.placements[name].nice)
              for name, a in actors.items()])
     for warning in plan.warnings:
         log.warning("CPU plan: %s", warning)
-    return plan
+    return plan, claim
 
 
 class Cluster:
@@ -93,6 +100,7 @@ class Cluster:
 
         t0 = time.time()
         self.cfg = cfg
+        self.core_claim: Any = None
         self.model_path = model_path
         self.plan = plan_placement(cfg)
         res = cfg.resources
@@ -149,7 +157,7 @@ class Cluster:
         self.push_host = rank0["host"]
         self._start_learners(model_path)
         self.startup.wait({f"generator {i}": g.ready.remote() for i, g in enumerate(self.generators)})
-        self.cpu_plan = pin_roles(cfg, self.buffer, self.generators, self.learners, self.nodes)
+        self.cpu_plan, self.core_claim = pin_roles(cfg, self.buffer, self.generators, self.learners, self.nodes)
         # the push group: learner rank 0 and every generator, on a TCPStore of its own
         layout = ray.get([lr.weight_layout.remote() for lr in self.learners])[0]
         self.layout = layout
@@ -316,6 +324,8 @@ class Cluster:
         for pg in self.groups.values():
             remove_placement_group(pg)
         self.startup.close()
+        if self.core_claim is not None:
+            self.core_claim.release()
 
     def shutdown(self) -> None:
         import ray

@@ -66,6 +66,16 @@ class CpuPlan:
                 "placements": {k: {**asdict(p), "cores": list(p.cores)} for k, p in self.placements.items()}}
 
 
+def unpinned(plan: CpuPlan, reason: str) -> CpuPlan:
+    """The same actors on every core of ``plan`` at default priority (threads kept): for a host whose cores another
+    run has pinned its roles to (core_claims.py), where a second split would put both runs' generators on the same
+    cores."""
+    out = CpuPlan(plan.available, warnings=[reason])
+    for name, p in plan.placements.items():
+        out.placements[name] = Placement(p.actor, plan.available, p.threads, 0)
+    return out
+
+
 def split_blocks(cores: tuple[int, ...], actors: int) -> list[tuple[int, ...]]:
     """One contiguous block per actor (sizes differ by at most one); with fewer cores, actors share."""
     if actors <= 0:

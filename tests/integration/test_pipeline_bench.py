@@ -32,7 +32,8 @@ def standalone_run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactor
     bench = load_bench()
     overrides = ["generators=1", "learners=1", "train.batch_size=4", "train.group_size=4",
                  "generator.groups_in_flight=4", "generator.eval_every=0", "task.name=longtail",
-                 "generator.max_new_tokens=12"]
+                 "generator.max_new_tokens=12",
+                 "run.pin=always"]  # the split is the subject, whatever another run on this host pinned
     return bench.standalone(overrides, str(tiny_model_dir), tmp_path_factory.mktemp("standalone"),
                             window_s=3.0, learner_steps=LEARNER_STEPS)
 
