@@ -40,12 +40,6 @@ PY = sys.executable
 RAY = str(Path(PY).with_name("ray"))
 GCS_PORT = 6390
 DASHBOARD_PORT = 8265
-START_NICE = ("nice", "-n", "-10")
-"""A Ray node starts at a higher priority than this machine's other work, which has the cores a separate host would
-not share: Ray waits fixed times during a start (a head's Ray client server 30 s for its raylet, which starts only
-after the dashboard is up; a raylet 30 s to register), and with two test files beside it on 2 cores a head took over
-a minute. Every node is back at the default priority once all are up (:meth:`Nodes.end_start_priority`). Root only,
-as the namespaces are."""
 MAX_NODES = 9
 """Interface names are <tag><letter><i>: with a tag of at most 12 characters and one digit they stay within
 Linux's 15."""
@@ -216,15 +210,14 @@ class Nodes:
         on every other node (resources worker and node<i>), each with ``cpus`` logical CPUs, one at a time: on 2
         busy cores, workers started together time out registering with the GCS (seen: 2 of 3 failed). A worker
         whose ``ray start`` ends before its node registered is started again, up to ``attempts`` times; so is the
-        whole cluster when the head ends (seen on a loaded machine: the head's Ray client server gave up after
-        30 s waiting for the head's own raylet to register, and ``ray start --block`` ended the head with it). One
-        :class:`NodeCount` per head watches the count (a probe per poll imported Ray every 2 s: on a loaded
-        machine each import took over a minute)."""
+        whole cluster when the head ends (its Ray client server gives up when the head's own raylet has not
+        registered 30 s after it started, and the raylet starts only once the dashboard is up or has failed:
+        ``ray start --block`` then ends the head). One :class:`NodeCount` per head watches the count (a probe per
+        poll imported Ray every 2 s)."""
         logs.mkdir(parents=True, exist_ok=True)
         for attempt in range(attempts):
             try:
                 self._start_nodes(logs, cpus, attempt, attempts)
-                self.end_start_priority()
                 return
             except NamespaceError:
                 head = self.node_procs[0]
@@ -234,7 +227,7 @@ class Nodes:
 
     def _start_nodes(self, logs: Path, cpus: int, head_attempt: int, attempts: int) -> None:
         head = self.node_procs[0] = self.popen(self.ns(0), [
-            *START_NICE, RAY, "start", "--head", "--block", "--node-ip-address", self.ip(0), "--port", str(GCS_PORT),
+            RAY, "start", "--head", "--block", "--node-ip-address", self.ip(0), "--port", str(GCS_PORT),
             "--num-cpus", str(cpus), "--resources", json.dumps({"head": cpus, "node0": cpus}),
             "--dashboard-host", self.ip(0), "--dashboard-port", str(DASHBOARD_PORT),
             "--temp-dir", str(self.temp_dir)], logs / f"node0.{head_attempt}.log")
@@ -243,7 +236,7 @@ class Nodes:
             for i in range(1, self.count):
                 for attempt in range(attempts):
                     self.node_procs[i] = self.popen(self.ns(i), [
-                        *START_NICE, RAY, "start", "--block", "--address", self.address, "--node-ip-address",
+                        RAY, "start", "--block", "--address", self.address, "--node-ip-address",
                         self.ip(i), "--num-cpus", str(cpus),
                         "--resources", json.dumps({"worker": cpus, f"node{i}": cpus})],
                         logs / f"node{i}.{head_attempt}.{attempt}.log")
@@ -254,15 +247,6 @@ class Nodes:
                         self.stop(self.node_procs[i])
                         if attempt == attempts - 1 or head.poll() is not None:
                             raise
-
-    def end_start_priority(self) -> None:
-        """Every thread of every node's process group back to the default priority (the roles a raylet starts
-        from now on inherit it): only the start-up ran at :data:`START_NICE`."""
-        for proc in self.node_procs.values():
-            try:
-                os.setpriority(os.PRIO_PGRP, proc.pid, 0)
-            except ProcessLookupError:
-                pass
 
     def wait_nodes(self, count: int, alive: NodeCount, starts: list[subprocess.Popen],
                    timeout_s: float = 180.0) -> None:

@@ -35,8 +35,9 @@ STEPS = 20
 # other tiers' ``from conftest import ...``
 @pytest.fixture(scope="module")  # torn down with the module: no idle Ray nodes through the rest of the suite
 def cluster(tmp_path_factory: pytest.TempPathFactory):
-    with namespace_cluster(NODES, tmp_path_factory.mktemp("ray_logs"), CPUS_PER_NODE,
-                           temp_dir=tmp_path_factory.mktemp("ray")) as nodes:
+    # Ray's session files in a short directory of their own (deleted at exit): its AF_UNIX sockets may not exceed
+    # 107 bytes, and pytest's temporary directories are longer under the suite's workers (.../popen-gw0/ray0/...)
+    with namespace_cluster(NODES, tmp_path_factory.mktemp("ray_logs"), CPUS_PER_NODE) as nodes:
         yield nodes
 
 
