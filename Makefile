@@ -14,13 +14,14 @@ $(STAMP): pyproject.toml scripts/setup_env.sh
 demo: $(STAMP)
 	$(VENV)/bin/python launch/cluster.py --generators 2 --learners 1 run.overwrite=true
 
-# Test files run two at a time (pytest-xdist; a file's tests stay on one worker, so its module fixtures start
-# once), the longest tiers first (tests/conftest.py, RUN_ORDER): one file after another left a core idle a quarter of
-# the run (docs/testing.md).
-TEST_WORKERS ?= 2
+# TEST_WORKERS=2 runs two test files at a time (pytest-xdist; a file's tests stay on one worker, so its module
+# fixtures start once; the longest tiers first, tests/conftest.py RUN_ORDER). Not the default: on 2 cores it was
+# no faster than one file after another (docs/testing.md, "Two files at a time").
+TEST_WORKERS ?= 1
+XDIST = $(if $(filter 1,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=40 tests
+	$(VENV)/bin/python -m pytest -q $(XDIST) --durations=40 tests
 
 # the unit tier alone (no server, no process group, no engine): a minute or two
 test-fast: $(STAMP)

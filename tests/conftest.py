@@ -191,9 +191,9 @@ TIERS = ("unit", "distributed", "integration", "cluster", "gpu")
 
 
 RUN_ORDER = ("cluster", "integration", "distributed", "gpu", "unit")
-"""The tiers' order in a run, longest files first: ``make test`` runs two files at a time in this order
-(``--dist loadfile --no-loadscope-reorder``), so the short unit files fill the end and both workers finish
-together (the cluster module alone takes about 5 minutes)."""
+"""The tiers' order in a run, longest files first (the cluster module alone takes about 5 minutes): with
+``make test TEST_WORKERS=2`` (``--dist loadfile --no-loadscope-reorder``) the short unit files then fill the end and
+both workers finish together; one file after another, the failures that need the real stack come first."""
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
