@@ -55,9 +55,15 @@ class CoreClaim:
 def claim(cores: tuple[int, ...], run_dir: str = "") -> CoreClaim:
     """Claim ``cores`` for as long as this process holds the returned claim (or lives)."""
     where = claim_dir()
-    where.mkdir(parents=True, exist_ok=True)
+    if not where.is_dir():
+        where.mkdir(parents=True, exist_ok=True)
+        try:
+            os.chmod(where, 0o1777)  # every user's runs claim here (sticky: each removes only its own)
+        except OSError:
+            pass
     final = where / f"{os.getpid()}-{next(_serial)}.json"
     fd, tmp = tempfile.mkstemp(dir=where, prefix=".claim-")
+    os.fchmod(fd, 0o644)  # other users' runs read it
     fcntl.flock(fd, fcntl.LOCK_EX)
     os.write(fd, json.dumps({"pid": os.getpid(), "cores": list(cores), "run_dir": run_dir}).encode())
     os.replace(tmp, final)
@@ -73,7 +79,7 @@ def claimed_by_others(mine: CoreClaim | None = None) -> dict[str, tuple[int, ...
             continue
         try:
             fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:  # released meanwhile
+        except OSError:  # released meanwhile, or not readable
             continue
         try:
             try:
@@ -84,7 +90,10 @@ def claimed_by_others(mine: CoreClaim | None = None) -> dict[str, tuple[int, ...
                 except (OSError, ValueError, KeyError, TypeError):
                     pass  # released between the lock test and the read, or not ours
                 continue
-            path.unlink(missing_ok=True)  # nobody holds it: its run ended without releasing it
+            try:
+                path.unlink(missing_ok=True)  # nobody holds it: its run ended without releasing it
+            except OSError:  # another user's, in the sticky directory: it stays, and counts for nothing
+                pass
         finally:
             os.close(fd)
     return out
@@ -102,4 +111,9 @@ def claim_or_unpin(cfg: Any, plan: CpuPlan) -> tuple[CpuPlan, CoreClaim | None]:
                                   f"{claim_dir()}): this run's roles are not pinned, every core at default priority "
                                   "(two runs pinned onto the same cores leave others idle; run.pin=always pins "
                                   "anyway)"), None
-    return plan, claim(plan.available, cfg.run.dir)
+    try:
+        return plan, claim(plan.available, cfg.run.dir)
+    except OSError as exc:  # a read-only or full claim directory: pinned as planned, just not claimed
+        plan.warnings.append(f"the cores are pinned but not claimed ({exc}; set {CLAIM_DIR_ENV} to a writable "
+                             "directory): another run on this host may pin onto them too")
+        return plan, None

@@ -91,3 +91,18 @@ def test_unpinned_keeps_the_actors_and_their_threads() -> None:
     assert set(out.placements) == set(plan.placements) and out.warnings == ["why"]
     assert all(out.placements[n].threads == plan.placements[n].threads for n in plan.placements)
     assert all(p.cores == (0, 1, 2, 3) for p in out.placements.values())
+
+
+def test_a_claim_directory_that_cannot_be_written_pins_as_planned_and_says_so(claims_dir: Path) -> None:
+    claims_dir.write_text("a file where the directory should be")
+    plan = plan_cpus((0, 1), 1, 1)
+    out, claim = core_claims.claim_or_unpin(cfg(), plan)
+    assert claim is None and out.placements == plan.placements
+    assert "not claimed" in out.warnings[-1] and core_claims.CLAIM_DIR_ENV in out.warnings[-1]
+
+
+def test_claim_files_are_readable_by_other_users(claims_dir: Path) -> None:
+    mine = core_claims.claim((0,))
+    assert mine.path.stat().st_mode & 0o777 == 0o644
+    assert claims_dir.stat().st_mode & 0o1777 == 0o1777
+    mine.release()
