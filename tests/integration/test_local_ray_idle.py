@@ -26,10 +26,11 @@ def idle():  # a worker is default_worker.py from its spawn, ray::IDLE once it h
     found = []
     for p in psutil.Process().children(recursive=True):
         try:
-            cmd = " ".join(p.cmdline())
+            args = p.cmdline()
         except psutil.Error:  # ended meanwhile
             continue
-        if "ray::IDLE" in cmd or "default_worker.py" in cmd:
+        cmd = " ".join(args)  # (the raylet's own command line names default_worker.py too, as an option's value)
+        if "ray::IDLE" in cmd or (len(args) > 1 and args[1].endswith("default_worker.py")):
             found.append(cmd[:300])
     return found
 # the prestart, when on, spawns its workers as the driver registers (they were there right after init): counted
