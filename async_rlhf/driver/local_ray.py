@@ -62,12 +62,24 @@ def child_pids() -> set[int]:
     return {p.pid for p in psutil.Process().children(recursive=True)}
 
 
+def is_ray_process(cmdline: list[str]) -> bool:
+    """Whether a command line is one of Ray's own processes: a binary or script of the ray package (GCS, raylet,
+    dashboard, monitors) or a process that retitled itself ``ray::...`` (the dashboard and runtime-env agents)."""
+    return any("/ray/" in arg for arg in cmdline) or bool(cmdline and cmdline[0].startswith("ray::"))
+
+
 def stop_children_since(before: set[int], grace_s: float = 5.0) -> list[int]:
-    """Kill this process's descendants that were not there in ``before`` (what a failed start left: GCS, raylet,
-    agents, the reaper); returns their pids."""
+    """Kill this process's descendants that were not there in ``before`` and are Ray's (what a failed start left;
+    a child another thread of the driver started meanwhile is not touched); returns their pids."""
     import psutil
 
-    new = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    new = []
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            if proc.pid not in before and is_ray_process(proc.cmdline()):
+                new.append(proc)
+        except psutil.Error:  # ended meanwhile
+            continue
     for proc in new:
         try:
             proc.kill()

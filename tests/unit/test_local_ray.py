@@ -86,3 +86,15 @@ def test_any_other_failure_is_raised_at_once(monkeypatch: pytest.MonkeyPatch) ->
     with pytest.raises(Exception, match="Permission denied"):
         start_local_ray(2, {})
     assert calls == [0]
+
+
+def test_only_rays_own_processes_are_stopped_after_a_failed_start() -> None:
+    site = "/work/.venv/lib/python3.11/site-packages"
+    for cmdline in ([f"{site}/ray/core/src/ray/gcs/gcs_server", "--gcs_server_port=0"],
+                    [f"{site}/ray/core/src/ray/raylet/raylet", "--raylet_socket_name=/tmp/ray/s/sockets/raylet"],
+                    ["/usr/bin/python3", f"{site}/ray/_private/log_monitor.py", "--session-dir=/tmp/ray/s"],
+                    ["/usr/bin/python3", "-u", f"{site}/ray/dashboard/agent.py", "--node-ip-address=10.0.0.1"],
+                    ["ray::DashboardAgent"], ["ray::RuntimeEnvAgent"]):  # retitled (as seen in a real start)
+        assert local_ray.is_ray_process(cmdline), cmdline
+    for cmdline in (["/usr/bin/python3", "-m", "async_rlhf.prebuild"], ["ninja", "-v"], ["/usr/bin/rayleigh"]):
+        assert not local_ray.is_ray_process(cmdline), cmdline
