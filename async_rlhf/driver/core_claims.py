@@ -70,13 +70,11 @@ def claim(cores: tuple[int, ...], run_dir: str = "") -> CoreClaim:
     return CoreClaim(final, fd, tuple(cores))
 
 
-def claimed_by_others(mine: CoreClaim | None = None) -> dict[str, tuple[int, ...]]:
-    """Live claims of other runs on this host, ``{claim file name: cores}``; stale claims are removed."""
+def live_claims() -> list[dict[str, Any]]:
+    """The live claims on this host (``{"pid", "cores", "run_dir"}`` each); stale claims are removed."""
     where = claim_dir()
-    out: dict[str, tuple[int, ...]] = {}
+    out: list[dict[str, Any]] = []
     for path in sorted(where.glob("*.json")) if where.is_dir() else []:
-        if mine is not None and path == mine.path:
-            continue
         try:
             fd = os.open(path, os.O_RDONLY)
         except OSError:  # released meanwhile, or not readable
@@ -86,7 +84,8 @@ def claimed_by_others(mine: CoreClaim | None = None) -> dict[str, tuple[int, ...
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:  # held: a live run's
                 try:
-                    out[path.name] = tuple(json.loads(path.read_text())["cores"])
+                    entry = json.loads(path.read_text())
+                    out.append({**entry, "cores": tuple(entry["cores"])})
                 except (OSError, ValueError, KeyError, TypeError):
                     pass  # released between the lock test and the read, or not ours
                 continue
@@ -104,10 +103,11 @@ def claim_or_unpin(cfg: Any, plan: CpuPlan) -> tuple[CpuPlan, CoreClaim | None]:
     another live run claimed some of them, the unpinned plan instead (nothing claimed)."""
     auto = all(section.cpus.strip() == "auto" for section in (cfg.generator, cfg.learner, cfg.buffer))
     if auto and cfg.run.pin == "auto":
-        others = claimed_by_others()
-        taken = sorted({c for cores in others.values() for c in cores} & set(plan.available))
-        if taken:
-            return unpinned(plan, f"cores {taken} are pinned by {len(others)} other run(s) on this host (claims in "
+        others = [c for c in live_claims() if set(c["cores"]) & set(plan.available)]
+        if others:
+            taken = sorted({core for c in others for core in c["cores"]} & set(plan.available))
+            runs = ", ".join(f"{c.get('run_dir') or '?'} (pid {c.get('pid')})" for c in others)
+            return unpinned(plan, f"cores {taken} are pinned by another run on this host ({runs}; claims in "
                                   f"{claim_dir()}): this run's roles are not pinned, every core at default priority "
                                   "(two runs pinned onto the same cores leave others idle; run.pin=always pins "
                                   "anyway)"), None

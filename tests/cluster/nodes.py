@@ -271,17 +271,19 @@ class NodeCount:
     the number of alive Ray nodes to ``log`` every second; :meth:`latest` reads the last line (a probe that ended
     is started again). A context manager: the probe is stopped at exit."""
 
-    PROBE = ("import sys, time, ray\n"
-             "while True:\n"
-             "    try:\n"
-             "        ray.init(address=sys.argv[1], logging_level='ERROR')\n"
-             "        break\n"
-             "    except Exception as e:  # the head's GCS is not up yet\n"
-             "        print(f'(no GCS yet: {type(e).__name__})', flush=True)\n"
-             "        time.sleep(1)\n"
-             "while True:\n"
-             "    print(sum(1 for n in ray.nodes() if n['Alive']), flush=True)\n"
-             "    time.sleep(1)\n")
+    PROBE = """
+import sys, time, ray
+while True:
+    try:
+        ray.init(address=sys.argv[1], logging_level="ERROR")
+        break
+    except Exception as e:  # the head's GCS is not up yet
+        print(f"(no GCS yet: {type(e).__name__})", flush=True)
+        time.sleep(1)
+while True:
+    print(sum(1 for n in ray.nodes() if n["Alive"]), flush=True)
+    time.sleep(1)
+"""
 
     def __init__(self, nodes: Nodes, log: Path) -> None:
         self.nodes, self.log = nodes, log

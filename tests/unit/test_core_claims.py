@@ -24,19 +24,20 @@ def claims_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 def test_a_claim_is_seen_while_held_and_gone_once_released() -> None:
     mine = core_claims.claim((0, 1), "runs/a")
     other = core_claims.claim((2, 3), "runs/b")
-    assert list(core_claims.claimed_by_others(mine).values()) == [(2, 3)]
-    assert sorted(core_claims.claimed_by_others().values()) == [(0, 1), (2, 3)]
+    assert sorted((c["cores"], c["run_dir"], c["pid"]) for c in core_claims.live_claims()) == [
+        ((0, 1), "runs/a", os.getpid()), ((2, 3), "runs/b", os.getpid())]
     other.release()
     other.release()  # twice is harmless
-    assert core_claims.claimed_by_others(mine) == {}
+    assert [c["cores"] for c in core_claims.live_claims()] == [(0, 1)]
     mine.release()
+    assert core_claims.live_claims() == []
 
 
 def test_a_claim_nobody_holds_is_stale_and_removed(claims_dir: Path) -> None:
     """What a killed run leaves: the file without its lock (the lock went with the process)."""
     claims_dir.mkdir()
     (claims_dir / "999-0.json").write_text('{"pid": 999, "cores": [0], "run_dir": "x"}')
-    assert core_claims.claimed_by_others() == {}
+    assert core_claims.live_claims() == []
     assert not (claims_dir / "999-0.json").exists()
 
 
@@ -53,10 +54,10 @@ def test_a_claim_held_by_another_process_is_live() -> None:
     try:
         os.close(held.fd)  # this process lets go; the child still holds the lock
         held.fd = -1
-        assert list(core_claims.claimed_by_others().values()) == [(1,)]
+        assert [c["cores"] for c in core_claims.live_claims()] == [(1,)]
     finally:
         os.waitpid(pid, 0)
-    assert core_claims.claimed_by_others() == {}, "the holder ended: the claim is stale"
+    assert core_claims.live_claims() == [], "the holder ended: the claim is stale"
 
 
 def cfg(*overrides: str) -> Config:
@@ -71,6 +72,7 @@ def test_an_auto_plan_on_claimed_cores_runs_unpinned_and_claims_nothing() -> Non
     assert {name: p.cores for name, p in out.placements.items()} == {name: (0, 1) for name in plan.placements}
     assert all(p.nice == 0 for p in out.placements.values())
     assert out.warnings and "run.pin=always" in out.warnings[0] and "[0, 1]" in out.warnings[0]
+    assert f"runs/other (pid {os.getpid()})" in out.warnings[0], "the warning names the run that holds the cores"
     other.release()
 
 
