@@ -1,9 +1,14 @@
 """Ray nodes on one machine: one Linux network namespace per node, every node joined to one bridge.
 
     namespace <tag>sw (the switch): bridge <tag>br
-      |-- veth <tag>s0 <==> <tag>h0   namespace <tag>n0   <subnet>.1   Ray head   (resources head, node0)
-      |-- veth <tag>s1 <==> <tag>h1   namespace <tag>n1   <subnet>.2   Ray worker (resources worker, node1)
-      '-- ...                                                          (the driver runs in <tag>n0)
+      |-- veth <tag>s0 <==> <tag>h0   namespace <tag>n0   <subnet>.1   Ray head   (resources head, node0, front)
+      |-- veth <tag>s1 <==> <tag>h1   namespace <tag>n1   <subnet>.2   Ray worker (resources worker, node1, front)
+      |-- ...                                                          (the driver runs in <tag>n0)
+      '-- veth <tag>s3 <==> <tag>h3   namespace <tag>n3   <subnet>.4   Ray worker (resources worker, node3, back)
+
+The first half of the nodes carry the resource ``front``, the others ``back``: a job can keep two roles on disjoint
+sets of more than one node each (learner ranks spread over the front nodes, generators on the back ones, so that a
+back node can be lost without a learner).
 
 Each node namespace has its own loopback, so an address assumed to be 127.0.0.1 fails exactly as it would across
 hosts. The private /24 exists only inside these namespaces. Every Ray node is ``ray start --block`` in a process
@@ -33,7 +38,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from async_rlhf.driver.local_ray import NO_PRESTART_ENV
+from async_rlhf.driver.local_ray import LOCAL_RAY_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
@@ -43,6 +48,11 @@ DASHBOARD_PORT = 8265
 MAX_NODES = 9
 """Interface names are <tag><letter><i>: with a tag of at most 12 characters and one digit they stay within
 Linux's 15."""
+
+
+def half_resource(i: int, count: int, cpus: int) -> dict[str, int]:
+    """Node ``i`` of ``count``: ``front`` in the first half (the head among them), ``back`` in the rest."""
+    return {"front" if i < (count + 1) // 2 else "back": cpus}
 
 
 class NamespaceError(RuntimeError):
@@ -98,7 +108,7 @@ class Nodes:
 
     def env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-        env.update(NO_PRESTART_ENV)  # as the launcher's own Ray (async_rlhf/driver/local_ray.py)
+        env.update(LOCAL_RAY_ENV)  # as the launcher's own Ray (async_rlhf/driver/local_ray.py)
         env.update({"RAY_USAGE_STATS_ENABLED": "0", "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false",
                     "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": self.token})
         return env
@@ -207,7 +217,8 @@ class Nodes:
     # -- Ray ------------------------------------------------------------------------------------------------
     def start_ray(self, logs: Path, cpus: int, attempts: int = 3) -> None:
         """The head on node 0 (resources head and node0; the dashboard serves ``ray job submit``), then a worker
-        on every other node (resources worker and node<i>), each with ``cpus`` logical CPUs, one at a time: on 2
+        on every other node (resources worker and node<i>; each node front or back too: :func:`half_resource`),
+        each with ``cpus`` logical CPUs, one at a time: on 2
         busy cores, workers started together time out registering with the GCS (seen: 2 of 3 failed). A worker
         whose ``ray start`` ends before its node registered is started again, up to ``attempts`` times; so is the
         whole cluster when the head ends (its Ray client server gives up when the head's own raylet has not
@@ -228,7 +239,8 @@ class Nodes:
     def _start_nodes(self, logs: Path, cpus: int, head_attempt: int, attempts: int) -> None:
         head = self.node_procs[0] = self.popen(self.ns(0), [
             RAY, "start", "--head", "--block", "--node-ip-address", self.ip(0), "--port", str(GCS_PORT),
-            "--num-cpus", str(cpus), "--resources", json.dumps({"head": cpus, "node0": cpus}),
+            "--num-cpus", str(cpus),
+            "--resources", json.dumps({"head": cpus, "node0": cpus, **half_resource(0, self.count, cpus)}),
             "--dashboard-host", self.ip(0), "--dashboard-port", str(DASHBOARD_PORT),
             "--temp-dir", str(self.temp_dir)], logs / f"node0.{head_attempt}.log")
         with NodeCount(self, logs / f"node_count.{head_attempt}.log") as alive:
@@ -238,7 +250,8 @@ class Nodes:
                     self.node_procs[i] = self.popen(self.ns(i), [
                         RAY, "start", "--block", "--address", self.address, "--node-ip-address",
                         self.ip(i), "--num-cpus", str(cpus),
-                        "--resources", json.dumps({"worker": cpus, f"node{i}": cpus})],
+                        "--resources",
+                        json.dumps({"worker": cpus, f"node{i}": cpus, **half_resource(i, self.count, cpus)})],
                         logs / f"node{i}.{head_attempt}.{attempt}.log")
                     try:
                         self.wait_nodes(i + 1, alive, [head, self.node_procs[i]])

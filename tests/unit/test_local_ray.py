@@ -10,7 +10,7 @@ import types
 import pytest
 
 from async_rlhf.driver import local_ray
-from async_rlhf.driver.local_ray import NO_PRESTART_ENV, start_local_ray
+from async_rlhf.driver.local_ray import LOCAL_RAY_ENV, start_local_ray
 
 pytestmark = pytest.mark.unit
 
@@ -20,10 +20,10 @@ def fake_ray(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
     calls: list[dict] = []
 
     def init(**kwargs):
-        calls.append({"kwargs": kwargs, "env": {k: os.environ.get(k) for k in NO_PRESTART_ENV}})
+        calls.append({"kwargs": kwargs, "env": {k: os.environ.get(k) for k in LOCAL_RAY_ENV}})
 
     monkeypatch.setitem(sys.modules, "ray", types.SimpleNamespace(init=init))
-    for key in NO_PRESTART_ENV:  # what start_local_ray sets is undone after the test (setenv records the original)
+    for key in LOCAL_RAY_ENV:  # what start_local_ray sets is undone after the test (setenv records the original)
         monkeypatch.setenv(key, "")
         monkeypatch.delenv(key)
     return calls
@@ -32,7 +32,7 @@ def fake_ray(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
 def test_the_local_ray_starts_without_prestarted_workers(fake_ray: list[dict]) -> None:
     start_local_ray(6, {"TOKENIZERS_PARALLELISM": "false"})
     (call,) = fake_ray
-    assert call["env"] == NO_PRESTART_ENV  # set before ray.init starts the raylet, which reads them
+    assert call["env"] == LOCAL_RAY_ENV  # set before ray.init starts the raylet, which reads them
     assert call["kwargs"]["address"] == "local" and call["kwargs"]["num_cpus"] == 6
     assert call["kwargs"]["runtime_env"] == {"env_vars": {"TOKENIZERS_PARALLELISM": "false"}}
 
