@@ -68,10 +68,24 @@ SHARED_TOKEN = ".shared-storage-check"
 """A file the driver writes in the run directory: every node that writes there must read it back."""
 
 
-def probe_node(run_dir: str = "", token: str = "", paths: tuple[str, ...] = ()) -> dict[str, Any]:
+def free_ports(host: str, count: int) -> list[int]:
+    """``count`` distinct TCP ports free on ``host`` now (all bound at once, then released)."""
+    socks = []
+    try:
+        for _ in range(count):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            socks.append(s)
+            s.bind((host, 0))
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def probe_node(run_dir: str = "", token: str = "", paths: tuple[str, ...] = (), ports: int = 1) -> dict[str, Any]:
     """Run in a role's placement bundle before the role starts: its node's IP, the host it would listen on,
-    a port free there, its cores, whether it sees the run directory the driver sees (the token file holds
-    ``token``) and which of ``paths`` it cannot read."""
+    ``ports`` ports free there (``port``: the first), its cores, whether it sees the run directory the driver
+    sees (the token file holds ``token``) and which of ``paths`` it cannot read."""
     from pathlib import Path
 
     host = listen_host()
@@ -81,7 +95,8 @@ def probe_node(run_dir: str = "", token: str = "", paths: tuple[str, ...] = ()) 
             seen = (Path(run_dir) / SHARED_TOKEN).read_text()
         except OSError:
             seen = ""
-    return {"host": host, "port": free_port(host), "node": node_ip(),
+    free = free_ports(host, max(ports, 1))
+    return {"host": host, "port": free[0], "ports": free, "node": node_ip(),
             "cores": sorted(os.sched_getaffinity(0)), "sees_run_dir": not run_dir or seen == token,
             "missing": [p for p in paths if not os.path.exists(p)]}
 

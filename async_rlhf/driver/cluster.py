@@ -84,6 +84,26 @@ def pin_roles(cfg: Config, buffer: Any, generators: list[Any], learners: list[An
     return plan, claim
 
 
+def bundles_by_node(where: dict[tuple[str, int], str]) -> list[list[tuple[str, int]]]:
+    """The bundles (role, index) of each node, in the order of ``where`` (bundle -> node id): a node's first
+    bundle is where its probe runs."""
+    grouped: dict[str, list[tuple[str, int]]] = {}
+    for bundle, node in where.items():
+        grouped.setdefault(node, []).append(bundle)
+    return list(grouped.values())
+
+
+def answers_per_bundle(groups: list[list[tuple[str, int]]], answers: list[dict[str, Any]],
+                       roles: list[tuple[str, int]]) -> dict[str, list[dict[str, Any]]]:
+    """Each bundle's probe answer from its node's one answer: the node's, with a port of its own (the node's
+    probe found one free port per bundle there); ``roles`` gives each role's bundle count, in order."""
+    per: dict[tuple[str, int], dict[str, Any]] = {}
+    for bundles, answer in zip(groups, answers, strict=True):
+        for j, bundle in enumerate(bundles):
+            per[bundle] = {**answer, "port": answer["ports"][j]}
+    return {role: [per[(role, i)] for i in range(count)] for role, count in roles}
+
+
 class Cluster:
     """Handles to the started roles (the integration tests inspect them after a run)."""
 
@@ -179,8 +199,8 @@ class Cluster:
 
     def _probe_nodes(self) -> dict[str, list[dict[str, Any]]]:
         """Ask every bundle's node where it would listen and whether it sees the run directory and the model
-        (a task in each bundle, before the roles start; on a Ray this driver started, the driver itself); refuse a
-        node that does not, with one line."""
+        (a task on each node that holds bundles, before the roles start; on a Ray this driver started, the driver
+        itself); refuse a node that does not, with one line."""
         import uuid
 
         import ray
@@ -199,19 +219,29 @@ class Cluster:
             # environment, files and cores): the driver answers for them (a task per bundle started a worker
             # process each: 1.5-2.4 s of a 1 + 1 start-up on 2 cores)
             nodes = {r.role: [probe_node(*args(r.role)) for _ in range(r.count)] for r in self.plan.roles}
-        else:
+        else:  # one task per node, in its first bundle there, answering for all of them (a task per bundle
+            # started a worker process per bundle: 17 of them and 22 s of an 8 + 8 start-up over 4 nodes)
+            from ray.util import placement_group_table
+
             probe = ray.remote(num_cpus=0)(probe_node)
             env = {"env_vars": self.role_env}
-            refs = {r.role: [probe.options(scheduling_strategy=self._in_group(r.role, i), runtime_env=env).remote(
-                *args(r.role)) for i in range(r.count)] for r in self.plan.roles}
-            nodes = {role: ray.get(rs, timeout=self.cfg.run.rendezvous_timeout_s) for role, rs in refs.items()}
+            where = {(r.role, i): placement_group_table(self.groups[r.role])["bundles_to_node_id"][i]
+                     for r in self.plan.roles for i in range(r.count)}
+            refs = []
+            for bundles in bundles_by_node(where):
+                role, i = bundles[0]
+                needs = any(b[0] == "learners" for b in bundles)  # the run directory: the learners' checkpoints
+                refs.append(probe.options(scheduling_strategy=self._in_group(role, i), runtime_env=env).remote(
+                    *args("learners" if needs else role), ports=len(bundles)))
+            answers = ray.get(refs, timeout=self.cfg.run.rendezvous_timeout_s)
+            nodes = answers_per_bundle(bundles_by_node(where), answers, [(r.role, r.count) for r in self.plan.roles])
         (run_dir / SHARED_TOKEN).unlink(missing_ok=True)
         for role, found in nodes.items():
             for i, node in enumerate(found):
                 if node["missing"]:
                     raise NodeSetupError(f"{role} {i} on node {node['node']} cannot read {node['missing'][0]}: give "
                                          "paths that every node sees at the same place (shared storage)")
-                if not node["sees_run_dir"]:
+                if role == "learners" and not node["sees_run_dir"]:
                     raise NodeSetupError(f"learner rank {i} on node {node['node']} does not see the run directory "
                                          f"{run_dir} as the driver does (its checkpoints go there): put run.dir on "
                                          "storage shared by every node, at the same path")

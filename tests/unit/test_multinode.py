@@ -115,3 +115,32 @@ def test_redis_beyond_loopback_needs_a_password() -> None:
         load_config(None, ["buffer.store=redis", "buffer.redis_url=redis://10.0.0.5:6379/0"])
     with pytest.raises(ConfigError, match="expected redis://"):
         load_config(None, ["buffer.store=redis", "buffer.redis_url=http://10.0.0.5"])
+
+
+def test_a_node_is_probed_once_for_all_its_bundles() -> None:
+    """On a Ray the driver joined, one probe task per node answers for every bundle there (a task per bundle
+    started a worker process per bundle); each bundle still gets a port of its own, and the roles' lists keep
+    their bundle order."""
+    from async_rlhf.driver.cluster import answers_per_bundle, bundles_by_node
+
+    where = {("buffer", 0): "n0", ("generators", 0): "n1", ("generators", 1): "n0", ("learners", 0): "n0",
+             ("learners", 1): "n1"}
+    groups = bundles_by_node(where)
+    assert groups == [[("buffer", 0), ("generators", 1), ("learners", 0)], [("generators", 0), ("learners", 1)]]
+    answers = [{"node": "10.0.0.1", "ports": [7001, 7002, 7003], "port": 7001},
+               {"node": "10.0.0.2", "ports": [8001, 8002], "port": 8001}]
+    nodes = answers_per_bundle(groups, answers, [("buffer", 1), ("generators", 2), ("learners", 2)])
+    assert [n["node"] for n in nodes["generators"]] == ["10.0.0.2", "10.0.0.1"]
+    assert [n["node"] for n in nodes["learners"]] == ["10.0.0.1", "10.0.0.2"]
+    ports = [n["port"] for found in nodes.values() for n in found]
+    assert sorted(ports) == [7001, 7002, 7003, 8001, 8002], "every bundle a port of its own"
+    assert nodes["learners"][0]["port"] == 7003 and nodes["buffer"][0]["port"] == 7001
+    with pytest.raises(ValueError):  # an answer missing for a node is an error, not a silent gap
+        answers_per_bundle(groups, answers[:1], [("buffer", 1), ("generators", 2), ("learners", 2)])
+
+
+def test_free_ports_are_distinct() -> None:
+    from async_rlhf.endpoints import LOOPBACK_HOST, free_ports
+
+    ports = free_ports(LOOPBACK_HOST, 5)
+    assert len(set(ports)) == 5 and all(p > 0 for p in ports)
