@@ -59,18 +59,12 @@ def listen_host() -> str:
 
 def free_port(host: str = LOOPBACK_HOST) -> int:
     """A TCP port free on ``host`` now (the caller binds it soon after; a race is possible, not likely)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
-SHARED_TOKEN = ".shared-storage-check"
-"""A file the driver writes in the run directory: every node that writes there must read it back."""
+    return free_ports(host, 1)[0]
 
 
 def free_ports(host: str, count: int) -> list[int]:
     """``count`` distinct TCP ports free on ``host`` now (all bound at once, then released)."""
-    socks = []
+    socks: list[socket.socket] = []
     try:
         for _ in range(count):
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -82,10 +76,14 @@ def free_ports(host: str, count: int) -> list[int]:
             s.close()
 
 
+SHARED_TOKEN = ".shared-storage-check"
+"""A file the driver writes in the run directory: every node that writes there must read it back."""
+
+
 def probe_node(run_dir: str = "", token: str = "", paths: tuple[str, ...] = (), ports: int = 1) -> dict[str, Any]:
-    """Run in a role's placement bundle before the role starts: its node's IP, the host it would listen on,
-    ``ports`` ports free there (``port``: the first), its cores, whether it sees the run directory the driver
-    sees (the token file holds ``token``) and which of ``paths`` it cannot read."""
+    """Run in a placement bundle on a node before the roles there start: the node's IP, the host a role would
+    listen on, ``ports`` distinct ports free there (one per bundle it answers for), its cores, whether it sees the
+    run directory the driver sees (the token file holds ``token``) and which of ``paths`` it cannot read."""
     from pathlib import Path
 
     host = listen_host()
@@ -95,8 +93,7 @@ def probe_node(run_dir: str = "", token: str = "", paths: tuple[str, ...] = (), 
             seen = (Path(run_dir) / SHARED_TOKEN).read_text()
         except OSError:
             seen = ""
-    free = free_ports(host, max(ports, 1))
-    return {"host": host, "port": free[0], "ports": free, "node": node_ip(),
+    return {"host": host, "ports": free_ports(host, ports), "node": node_ip(),
             "cores": sorted(os.sched_getaffinity(0)), "sees_run_dir": not run_dir or seen == token,
             "missing": [p for p in paths if not os.path.exists(p)]}
 

@@ -95,12 +95,14 @@ def bundles_by_node(where: dict[tuple[str, int], str]) -> list[list[tuple[str, i
 
 def answers_per_bundle(groups: list[list[tuple[str, int]]], answers: list[dict[str, Any]],
                        roles: list[tuple[str, int]]) -> dict[str, list[dict[str, Any]]]:
-    """Each bundle's probe answer from its node's one answer: the node's, with a port of its own (the node's
-    probe found one free port per bundle there); ``roles`` gives each role's bundle count, in order."""
+    """Each bundle's probe answer from its group's one answer (``probe_node``): the node's, with a ``port`` of its
+    own (the probe found one free port per bundle of the group); ``roles`` gives each role's bundle count, in
+    order."""
     per: dict[tuple[str, int], dict[str, Any]] = {}
     for bundles, answer in zip(groups, answers, strict=True):
-        for j, bundle in enumerate(bundles):
-            per[bundle] = {**answer, "port": answer["ports"][j]}
+        node = {k: v for k, v in answer.items() if k != "ports"}
+        for bundle, port in zip(bundles, answer["ports"], strict=True):
+            per[bundle] = {**node, "port": port}
     return {role: [per[(role, i)] for i in range(count)] for role, count in roles}
 
 
@@ -212,29 +214,30 @@ class Cluster:
         token = uuid.uuid4().hex
         (run_dir / SHARED_TOKEN).write_text(token)
 
-        def args(role: str) -> tuple[str, str, tuple[str, ...]]:
-            return str(run_dir) if role == "learners" else "", token, (self.model_path,)
+        def args(bundles: list[tuple[str, int]]) -> tuple[str, str, tuple[str, ...]]:
+            # the run directory matters where learners run (their checkpoints go there)
+            learners = any(role == "learners" for role, _ in bundles)
+            return str(run_dir) if learners else "", token, (self.model_path,)
 
+        bundles = [(r.role, i) for r in self.plan.roles for i in range(r.count)]
         if self.own_ray:  # every bundle is on this host, in workers of the raylet this process started (its
             # environment, files and cores): the driver answers for them (a task per bundle started a worker
             # process each: 1.5-2.4 s of a 1 + 1 start-up on 2 cores)
-            nodes = {r.role: [probe_node(*args(r.role)) for _ in range(r.count)] for r in self.plan.roles}
+            groups = [bundles]
+            answers = [probe_node(*args(bundles), ports=len(bundles))]
         else:  # one task per node, in its first bundle there, answering for all of them (a task per bundle
             # started a worker process per bundle: 17 of them and 22 s of an 8 + 8 start-up over 4 nodes)
             from ray.util import placement_group_table
 
             probe = ray.remote(num_cpus=0)(probe_node)
             env = {"env_vars": self.role_env}
-            where = {(r.role, i): placement_group_table(self.groups[r.role])["bundles_to_node_id"][i]
-                     for r in self.plan.roles for i in range(r.count)}
-            refs = []
-            for bundles in bundles_by_node(where):
-                role, i = bundles[0]
-                needs = any(b[0] == "learners" for b in bundles)  # the run directory: the learners' checkpoints
-                refs.append(probe.options(scheduling_strategy=self._in_group(role, i), runtime_env=env).remote(
-                    *args("learners" if needs else role), ports=len(bundles)))
+            node_of = {r.role: placement_group_table(self.groups[r.role])["bundles_to_node_id"]
+                       for r in self.plan.roles}
+            groups = bundles_by_node({(role, i): node_of[role][i] for role, i in bundles})
+            refs = [probe.options(scheduling_strategy=self._in_group(*group[0]), runtime_env=env).remote(
+                *args(group), ports=len(group)) for group in groups]
             answers = ray.get(refs, timeout=self.cfg.run.rendezvous_timeout_s)
-            nodes = answers_per_bundle(bundles_by_node(where), answers, [(r.role, r.count) for r in self.plan.roles])
+        nodes = answers_per_bundle(groups, answers, [(r.role, r.count) for r in self.plan.roles])
         (run_dir / SHARED_TOKEN).unlink(missing_ok=True)
         for role, found in nodes.items():
             for i, node in enumerate(found):

@@ -127,14 +127,17 @@ def test_a_node_is_probed_once_for_all_its_bundles() -> None:
              ("learners", 1): "n1"}
     groups = bundles_by_node(where)
     assert groups == [[("buffer", 0), ("generators", 1), ("learners", 0)], [("generators", 0), ("learners", 1)]]
-    answers = [{"node": "10.0.0.1", "ports": [7001, 7002, 7003], "port": 7001},
-               {"node": "10.0.0.2", "ports": [8001, 8002], "port": 8001}]
+    answers = [{"node": "10.0.0.1", "ports": [7001, 7002, 7003]}, {"node": "10.0.0.2", "ports": [8001, 8002]}]
     nodes = answers_per_bundle(groups, answers, [("buffer", 1), ("generators", 2), ("learners", 2)])
     assert [n["node"] for n in nodes["generators"]] == ["10.0.0.2", "10.0.0.1"]
     assert [n["node"] for n in nodes["learners"]] == ["10.0.0.1", "10.0.0.2"]
     ports = [n["port"] for found in nodes.values() for n in found]
     assert sorted(ports) == [7001, 7002, 7003, 8001, 8002], "every bundle a port of its own"
     assert nodes["learners"][0]["port"] == 7003 and nodes["buffer"][0]["port"] == 7001
+    assert all("ports" not in n for found in nodes.values() for n in found), "a bundle holds its own port only"
+    with pytest.raises(ValueError):  # fewer ports than bundles is an error, not a shared port
+        answers_per_bundle(groups, [answers[0], {"node": "10.0.0.2", "ports": [8001]}],
+                           [("buffer", 1), ("generators", 2), ("learners", 2)])
     with pytest.raises(ValueError):  # an answer missing for a node is an error, not a silent gap
         answers_per_bundle(groups, answers[:1], [("buffer", 1), ("generators", 2), ("learners", 2)])
 
