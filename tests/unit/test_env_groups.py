@@ -121,8 +121,9 @@ def test_late_rewards_follow_the_put_and_add_per_turn_returns():
     drive(runner, lambda: client.puts)
     assert client.puts == [("g1", True, [1.0, 1.0, 1.0])]  # the env's per-turn reward is in the return already
     assert not runner.groups and len(runner.reward_tasks) == 1  # the group is in the buffer, its reward pending
-    drive(runner, lambda: client.rewards)
-    assert client.rewards == {"g1": [1.5, 1.5, 1.5]} and not runner.reward_tasks
+    # the fake client records the reward in the executor thread before the task resumes: wait for the task
+    drive(runner, lambda: not runner.reward_tasks)
+    assert client.rewards == {"g1": [1.5, 1.5, 1.5]}
     assert [e[0] for e in events] == ["put_pending", "rewarded"]
     runner.close()
 
