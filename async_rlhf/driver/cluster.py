@@ -167,7 +167,7 @@ class Cluster:
         self._gen_opts = {"num_cpus": res.generator_cpus, "num_gpus": res.generator_gpus, "max_concurrency": 4,
                           "resources": self.plan.role("generators").custom(),  # a late joiner's too
                           "max_restarts": cfg.run.generator_max_restarts,
-                          "runtime_env": {"env_vars": {**self.role_env, **engine_env(cfg)}}}
+                          "runtime_env": self.runtime_env(engine_env(cfg))}
         self.generators = [self._gen_cls.options(**self._gen_opts, scheduling_strategy=self._in_group(
             "generators", i)).remote(i, cfg, model_path, self.buffer_address) for i in range(cfg.generators)]
         for i in range(cfg.generators):
@@ -193,6 +193,18 @@ class Cluster:
         self.startup.finish()
         self.startup_s_by_phase = self.startup.figures()
         """Seconds per start-up phase and role (summary.json's ``startup_s_by_phase``)."""
+
+    def runtime_env(self, env_vars: dict[str, str] | None = None) -> dict[str, Any]:
+        """A generator's or learner rank's Ray runtime environment: the run's variables plus ``env_vars``, and on
+        a CPU run with ``run.fork_workers`` the worker forked from its node's preloaded process
+        (startup/forkserver.py; the buffer and the node probe import little and start as Ray starts them)."""
+        res = self.cfg.resources
+        out: dict[str, Any] = {"env_vars": {**self.role_env, **(env_vars or {})}}
+        if self.cfg.run.fork_workers and res.generator_gpus == 0 and res.learner_gpus == 0:
+            from async_rlhf.startup import forkserver
+
+            out["py_executable"] = forkserver.command()
+        return out
 
     def _driver_phase(self, phase: str, since: float) -> float:
         now = time.time()
@@ -261,7 +273,7 @@ class Cluster:
         cfg, res = self.cfg, self.cfg.resources
         learner_cls = ray.remote(LearnerActor)
         opts = {"num_cpus": res.learner_cpus, "num_gpus": res.learner_gpus, "max_concurrency": 3,
-                "runtime_env": {"env_vars": {**self.role_env, "OMP_NUM_THREADS": str(cfg.learner.threads)}}}
+                "runtime_env": self.runtime_env({"OMP_NUM_THREADS": str(cfg.learner.threads)})}
         for attempt in range(attempts):
             self.learners = [learner_cls.options(**opts, scheduling_strategy=self._in_group("learners", r)).remote(
                 r, cfg.learners, cfg, model_path, *self.master, self.buffer_address) for r in range(cfg.learners)]

@@ -1,0 +1,343 @@
+"""Ray workers forked from a process that has already imported PyTorch, transformers, vLLM, DeepSpeed and Ray.
+
+Each role (buffer, generator, learner rank) is a Ray actor in a worker process of its own, and a new worker first
+imports what its role needs: ~8 s of CPU on an idle 2-core machine, 20 s on a busy one, for every generator and
+learner rank started, restarted or added. With ``run.fork_workers`` (on by default on CPU) the driver gives each
+role's runtime environment a ``py_executable`` (Ray's maintained way to choose how a worker is started) that is
+this module: a small wrapper that asks the node's fork server for a child already past those imports.
+
+    raylet --exec--> wrapper: python -m async_rlhf.startup.forkserver default_worker.py --node-id=N ...
+                       | connects to the abstract socket "async_rlhf-forkserver-N" (one server per Ray node;
+                       | the first wrapper of a node starts it and waits for its imports)
+                       | sends: argv, environment, cwd   + its stdin, stdout, stderr and a lifeline pipe
+                       v
+                     fork server (modules imported, one thread, never runs a torch op)
+                       | fork -> child: takes the fds, environment, cwd and argv, runs default_worker.py as
+                       |         __main__ (the Ray worker: it registers its own pid with the raylet)
+                       | replies {"pid": child} ... and {"exit": code} when the child ends
+                       v
+                     wrapper: forwards SIGTERM/SIGINT/SIGHUP/SIGQUIT to the child, exits with its code
+                     (or its signal). The child SIGKILLs itself when the lifeline closes (the wrapper was
+                     killed), and the server exits when its raylet does.
+
+Anything that fails before the fork (no server, a server that does not answer, a full socket) makes the wrapper
+exec the plain ``python default_worker.py ...`` Ray would have run: forking is an optimisation, never a
+dependency. The server preloads only third-party modules: the project's own code is imported by each worker
+(a runtime environment may ship another version of it). What a preloaded module read from the environment at
+import time is the server's: the child applies ``OMP_NUM_THREADS`` to torch itself; everything else those
+modules read lazily (vLLM's ``envs``, DeepSpeed's op builder, CUDA's device list).
+
+Not for GPU nodes as is: importing DeepSpeed there probes CUDA, after which a forked child cannot use it; the
+driver leaves it off when the run asks for GPUs (never tried on a GPU).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+from typing import Any
+
+MODULE = "async_rlhf.startup.forkserver"
+PRELOAD = ("torch", "transformers", "vllm", "deepspeed", "ray._private.workers.default_worker")
+"""What the server imports before it forks anything (``default_worker``'s imports: it runs as __main__ later)."""
+
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+SERVER_START_S = 300.0
+"""How long a wrapper waits for its node's server to import everything and listen (then it runs Ray's plain
+command: a server that slow is no faster than the imports it would save)."""
+_MAX_REQUEST = 1 << 20
+
+
+def command() -> str:
+    """The ``py_executable`` to give a runtime environment: this interpreter running this module."""
+    return f"{sys.executable} -m {MODULE}"
+
+
+def _arg(argv: list[str], name: str) -> str | None:
+    for i, a in enumerate(argv):
+        if a.startswith(name + "="):
+            return a.split("=", 1)[1]
+        if a == name and i + 1 < len(argv):
+            return argv[i + 1]
+    return None
+
+
+IMPORT_TIME_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+"""Variables the preloaded libraries read once, when loaded, and never again: the OpenMP runtime's default
+thread count is fixed then for every thread the process will start (vLLM's CPU kernels compare it with torch's
+count), so a worker must come from a server that was started with the same values."""
+
+
+def server_name(node_id: str, env: dict[str, str]) -> str:
+    """The abstract socket of the server for this node and these :data:`IMPORT_TIME_ENV` values (abstract names
+    are per network namespace, as a node is)."""
+    key = "-".join(env.get(k, "") for k in IMPORT_TIME_ENV)
+    return f"\0async_rlhf-forkserver-{node_id}-{key}"
+
+
+# ---------------------------------------------------------------- the wrapper Ray starts as the worker command
+
+
+def _plain(argv: list[str]) -> None:
+    """Run the worker as Ray would have: exec a fresh interpreter."""
+    os.execv(sys.executable, [sys.executable, "-u", *argv])
+
+
+def _connect(name: str, argv: list[str], raylet_pid: int) -> socket.socket:
+    """A connection to the node's server; the first wrapper to find none starts it."""
+    started = False
+    deadline = time.monotonic() + SERVER_START_S
+    while True:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            sock.connect(name)
+            return sock
+        except OSError:
+            sock.close()
+            if os.getppid() != raylet_pid:  # the raylet is gone: so is the worker it wanted
+                sys.exit(1)
+            if time.monotonic() > deadline:
+                raise
+        if not started:
+            _start_server(name, argv, raylet_pid)
+            started = True
+        time.sleep(0.05)
+
+
+def _start_server(name: str, argv: list[str], raylet_pid: int) -> None:
+    """Start the node's server, detached from this wrapper: through an intermediate process that exits at once,
+    so that it is nobody's child (Ray ends a worker's children with it, and this wrapper is the raylet's worker
+    process), in a process group of its own (Ray ends a worker's process group with it) and in the raylet's
+    session (so that ending a job's session ends it too). Several wrappers may start one;
+    the first to bind the name serves, the others exit. It starts with this wrapper's environment (the
+    :data:`IMPORT_TIME_ENV` values its name stands for). Its log is ``forkserver.log`` in the session's logs."""
+    logs = os.path.join(_arg(argv, "--temp-dir") or "/tmp/ray", _arg(argv, "--session-name") or "", "logs")
+    log_path = os.path.join(logs, "forkserver.log") if os.path.isdir(logs) else os.devnull
+    pid = os.fork()
+    if pid:
+        os.waitpid(pid, 0)
+        return
+    try:
+        with open(log_path, "ab") as log:
+            subprocess.Popen([sys.executable, "-m", MODULE, "--serve", name.lstrip("\0"), str(raylet_pid)],
+                             stdin=subprocess.DEVNULL, stdout=log, stderr=log, close_fds=True, process_group=0)
+    finally:
+        os._exit(0)
+
+
+def wrap(argv: list[str]) -> None:
+    """The worker command: have the node's server fork the worker, stand in for it until it ends."""
+    node_id, raylet_pid = _arg(argv, "--node-id"), os.getppid()
+    if not node_id or not _is_raylet(raylet_pid):
+        _plain(argv)
+    try:
+        sock = _connect(server_name(node_id, dict(os.environ)), argv, raylet_pid)
+        life_r, life_w = os.pipe()
+        request = json.dumps({"argv": argv, "env": dict(os.environ), "cwd": os.getcwd()}).encode()
+        socket.send_fds(sock, [request], [0, 1, 2, life_r])
+        os.close(life_r)
+        reply = json.loads(sock.recv(_MAX_REQUEST) or b"{}")
+        pid = int(reply["pid"])
+    except (OSError, ValueError, KeyError) as exc:
+        print(f"async_rlhf forkserver: {exc!r}; starting the worker the plain way", file=sys.stderr, flush=True)
+        _plain(argv)
+        return
+    for sig in FORWARDED:
+        signal.signal(sig, lambda s, _f: _signal(pid, s))
+    code = _wait_child(sock, pid)
+    os.close(life_w)
+    if code < 0:  # ended by a signal: end the same way, as the raylet would have seen it
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    sys.exit(code)
+
+
+def _is_raylet(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().startswith("raylet")
+    except OSError:
+        return False
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _wait_child(sock: socket.socket, pid: int) -> int:
+    """The child's exit code (negative: the signal that ended it), from the server; if the server is gone,
+    wait for the child to be gone and return 1."""
+    while True:
+        try:
+            data = sock.recv(_MAX_REQUEST)
+        except InterruptedError:
+            continue
+        if data:
+            return int(json.loads(data)["exit"])
+        break
+    while True:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return 1
+        time.sleep(0.2)
+
+
+# ---------------------------------------------------------------- the server
+
+
+class _Child:
+    """What the forked child runs, returned out of the serve loop so the worker runs at the top of the stack."""
+
+    def __init__(self, request: dict[str, Any], fds: list[int]) -> None:
+        self.request, self.fds = request, fds
+
+    def run(self) -> None:
+        for sig in (signal.SIGCHLD, *FORWARDED):
+            signal.signal(sig, signal.SIG_DFL)
+        for target, fd in zip((0, 1, 2), self.fds[:3]):
+            os.dup2(fd, target)
+            os.close(fd)
+        _watch_lifeline(self.fds[3])
+        req = self.request
+        os.chdir(req["cwd"])
+        os.environ.clear()
+        os.environ.update(req["env"])
+        argv = req["argv"][1:] if req["argv"][:1] == ["-u"] else req["argv"]
+        script = argv[0]
+        sys.argv = list(argv)
+        extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+        sys.path[:] = [os.path.dirname(os.path.abspath(script)), *extra,
+                       *[p for p in sys.path[1:] if p not in extra]]
+        _reapply_environment()
+        import runpy
+
+        runpy.run_path(script, run_name="__main__")
+
+
+def _reapply_environment() -> None:
+    """What the preloaded modules took from the server's environment when imported, taken from the worker's:
+    torch's thread count, vLLM's log level; and numpy's global generator, seeded at import (a fresh process
+    seeds it from the OS; forked children would all share the server's draw)."""
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0 and "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(int(threads))
+    level = os.environ.get("VLLM_LOGGING_LEVEL", "")
+    if level and "vllm" in sys.modules:
+        import logging
+
+        vllm_logger = logging.getLogger("vllm")
+        for target in (vllm_logger, *vllm_logger.handlers):
+            target.setLevel(level.upper())
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
+
+
+def _watch_lifeline(fd: int) -> None:
+    """End this child when its wrapper is gone (killed by the raylet or with its node): the wrapper holds the
+    write end of the pipe, so a read that returns means it closed."""
+    import threading
+
+    def watch() -> None:
+        try:
+            while os.read(fd, 1):
+                pass
+        except OSError:
+            pass
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="forkserver-lifeline", daemon=True).start()
+
+
+def serve(name: str, raylet_pid: int) -> _Child | None:
+    """Listen on ``name``; fork a child per request; report each child's end; return when the raylet is gone
+    (``None``) or, in a child, with what the child runs."""
+    for module in PRELOAD:
+        __import__(module)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        listener.bind("\0" + name)
+    except OSError:
+        return None  # another wrapper's server has it
+    listener.listen(64)
+    raylet = os.pidfd_open(raylet_pid)
+    sel = selectors.DefaultSelector()
+    sel.register(listener, selectors.EVENT_READ, "listen")
+    sel.register(raylet, selectors.EVENT_READ, "raylet")
+    waiting: dict[int, socket.socket] = {}
+    print(f"forkserver {name}: serving (pid {os.getpid()}, raylet {raylet_pid})", flush=True)
+    while True:
+        for key, _ in sel.select(timeout=0.2):
+            if key.data == "raylet":
+                print(f"forkserver {name}: raylet {raylet_pid} ended", flush=True)
+                return None
+            conn, _ = listener.accept()
+            peer_uid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[1]
+            if peer_uid != os.getuid():  # the socket is reachable by every user of the node: serve ours only
+                print(f"forkserver {name}: refused a request from uid {peer_uid}", flush=True)
+                conn.close()
+                continue
+            try:
+                data, fds, _flags, _addr = socket.recv_fds(conn, _MAX_REQUEST, 4)
+                request = json.loads(data)
+            except (OSError, ValueError) as exc:
+                print(f"forkserver {name}: bad request: {exc!r}", flush=True)
+                conn.close()
+                continue
+            sys.stdout.flush()
+            sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:
+                os.setpgid(0, 0)  # the raylet ends a worker's process group with it: not the server's
+                sel.close()
+                listener.close()
+                os.close(raylet)
+                conn.close()
+                for other in waiting.values():
+                    other.close()
+                return _Child(request, fds)
+            for fd in fds:
+                os.close(fd)
+            waiting[pid] = conn
+            _send(conn, {"pid": pid})
+        while waiting:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            conn = waiting.pop(pid, None)
+            if conn is not None:
+                _send(conn, {"exit": os.waitstatus_to_exitcode(status)})
+                conn.close()
+
+
+def _send(conn: socket.socket, message: dict[str, int]) -> None:
+    try:
+        conn.send(json.dumps(message).encode())
+    except OSError:
+        pass  # the wrapper is gone; its child ends by the lifeline
+
+
+def main(argv: list[str]) -> None:
+    if argv[:1] == ["--serve"]:
+        child = serve(argv[1], int(argv[2]))
+        if child is not None:
+            child.run()
+        return
+    wrap(argv)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
