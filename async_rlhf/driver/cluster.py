@@ -106,6 +106,19 @@ def answers_per_bundle(groups: list[list[tuple[str, int]]], answers: list[dict[s
     return {role: [per[(role, i)] for i in range(count)] for role, count in roles}
 
 
+def role_runtime_env(cfg: Config, env_vars: dict[str, str]) -> dict[str, Any]:
+    """A generator's or learner rank's Ray runtime environment: ``env_vars``, and on a CPU run with
+    ``run.fork_workers`` the worker forked from its node's preloaded process (startup/forkserver.py; the buffer
+    and the node probe import little and start as Ray starts them)."""
+    res = cfg.resources
+    out: dict[str, Any] = {"env_vars": dict(env_vars)}
+    if cfg.run.fork_workers and res.generator_gpus == 0 and res.learner_gpus == 0:
+        from async_rlhf.startup import forkserver
+
+        out["py_executable"] = forkserver.command()
+    return out
+
+
 class Cluster:
     """Handles to the started roles (the integration tests inspect them after a run)."""
 
@@ -147,6 +160,8 @@ class Cluster:
         # every rank reports its start-up phases to the watch's board (progress line, deadlines per phase)
         self.startup = StartupWatch(cfg, t0, error=NodeSetupError)
         self.role_env.update(self.startup.env)
+        if self.own_ray:
+            self._prestart_fork_servers()
         t = self._driver_phase("ray start", t0)
         self.groups = self._placement_groups()
         t = self._driver_phase("placement", t)
@@ -167,7 +182,7 @@ class Cluster:
         self._gen_opts = {"num_cpus": res.generator_cpus, "num_gpus": res.generator_gpus, "max_concurrency": 4,
                           "resources": self.plan.role("generators").custom(),  # a late joiner's too
                           "max_restarts": cfg.run.generator_max_restarts,
-                          "runtime_env": self.runtime_env(engine_env(cfg))}
+                          "runtime_env": self.generator_env()}
         self.generators = [self._gen_cls.options(**self._gen_opts, scheduling_strategy=self._in_group(
             "generators", i)).remote(i, cfg, model_path, self.buffer_address) for i in range(cfg.generators)]
         for i in range(cfg.generators):
@@ -194,17 +209,31 @@ class Cluster:
         self.startup_s_by_phase = self.startup.figures()
         """Seconds per start-up phase and role (summary.json's ``startup_s_by_phase``)."""
 
-    def runtime_env(self, env_vars: dict[str, str] | None = None) -> dict[str, Any]:
-        """A generator's or learner rank's Ray runtime environment: the run's variables plus ``env_vars``, and on
-        a CPU run with ``run.fork_workers`` the worker forked from its node's preloaded process
-        (startup/forkserver.py; the buffer and the node probe import little and start as Ray starts them)."""
-        res = self.cfg.resources
-        out: dict[str, Any] = {"env_vars": {**self.role_env, **(env_vars or {})}}
-        if self.cfg.run.fork_workers and res.generator_gpus == 0 and res.learner_gpus == 0:
+    def generator_env(self) -> dict[str, Any]:
+        return self.runtime_env(engine_env(self.cfg))
+
+    def learner_env(self) -> dict[str, Any]:
+        return self.runtime_env({"OMP_NUM_THREADS": str(self.cfg.learner.threads)})
+
+    def _prestart_fork_servers(self) -> None:
+        """On the Ray this driver started (one node, this host): start the fork servers the generators and learner
+        ranks will use now, so that their imports overlap the placement, the node check and the buffer's start."""
+        import psutil
+        import ray
+
+        envs = [self.generator_env(), self.learner_env()]
+        if "py_executable" not in envs[0]:
+            return
+        raylets = [p.pid for p in psutil.Process().children(recursive=True) if p.name() == "raylet"]
+        if len(raylets) == 1:
             from async_rlhf.startup import forkserver
 
-            out["py_executable"] = forkserver.command()
-        return out
+            forkserver.prestart(ray.get_runtime_context().get_node_id(), raylets[0],
+                                [e["env_vars"] for e in envs])
+
+    def runtime_env(self, env_vars: dict[str, str] | None = None) -> dict[str, Any]:
+        """A generator's or learner rank's Ray runtime environment (:func:`role_runtime_env`)."""
+        return role_runtime_env(self.cfg, {**self.role_env, **(env_vars or {})})
 
     def _driver_phase(self, phase: str, since: float) -> float:
         now = time.time()
@@ -273,7 +302,7 @@ class Cluster:
         cfg, res = self.cfg, self.cfg.resources
         learner_cls = ray.remote(LearnerActor)
         opts = {"num_cpus": res.learner_cpus, "num_gpus": res.learner_gpus, "max_concurrency": 3,
-                "runtime_env": self.runtime_env({"OMP_NUM_THREADS": str(cfg.learner.threads)})}
+                "runtime_env": self.learner_env()}
         for attempt in range(attempts):
             self.learners = [learner_cls.options(**opts, scheduling_strategy=self._in_group("learners", r)).remote(
                 r, cfg.learners, cfg, model_path, *self.master, self.buffer_address) for r in range(cfg.learners)]

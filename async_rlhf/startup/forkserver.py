@@ -7,8 +7,9 @@ role's runtime environment a ``py_executable`` (Ray's maintained way to choose h
 this module: a small wrapper that asks the node's fork server for a child already past those imports.
 
     raylet --exec--> wrapper: python -m async_rlhf.startup.forkserver default_worker.py --node-id=N ...
-                       | connects to the abstract socket "async_rlhf-forkserver-N" (one server per Ray node;
-                       | the first wrapper of a node starts it and waits for its imports)
+                       | connects to the abstract socket named after the node and the thread settings
+                       | (server_name); the first wrapper to find none starts the server, which listens at
+                       | once and answers once its imports are done
                        | sends: argv, environment, cwd   + its stdin, stdout, stderr and a lifeline pipe
                        v
                      fork server (modules imported, one thread, never runs a torch op)
@@ -18,14 +19,17 @@ this module: a small wrapper that asks the node's fork server for a child alread
                        v
                      wrapper: forwards SIGTERM/SIGINT/SIGHUP/SIGQUIT to the child, exits with its code
                      (or its signal). The child SIGKILLs itself when the lifeline closes (the wrapper was
-                     killed), and the server exits when its raylet does.
+                     killed), and the server exits when the raylet that started its first worker does.
 
-Anything that fails before the fork (no server, a server that does not answer, a full socket) makes the wrapper
-exec the plain ``python default_worker.py ...`` Ray would have run: forking is an optimisation, never a
-dependency. The server preloads only third-party modules: the project's own code is imported by each worker
-(a runtime environment may ship another version of it). What a preloaded module read from the environment at
-import time is the server's: the child applies ``OMP_NUM_THREADS`` to torch itself; everything else those
-modules read lazily (vLLM's ``envs``, DeepSpeed's op builder, CUDA's device list).
+The server and its children stay in the raylet's session (a job's processes stay one session), each child in a
+process group of its own (the raylet ends a worker's group with it). Anything that fails before the fork (no
+server, a server that does not answer in ``FORK_S``) makes the wrapper exec the plain ``python default_worker.py
+...`` Ray would have run: forking is an optimisation, never a dependency. The server preloads only third-party
+modules: the project's own code is imported by each worker (a runtime environment may ship another version of it).
+What a preloaded library reads from the environment only when loaded is the server's: the OpenMP thread count
+(one server per value, ``IMPORT_TIME_ENV``), vLLM's log level (set again in the child) and numpy's global seed
+(drawn again); what else those libraries read, they read when used (vLLM's ``envs``, DeepSpeed's op builder,
+CUDA's device list).
 
 Not for GPU nodes as is: importing DeepSpeed there probes CUDA, after which a forked child cannot use it; the
 driver leaves it off when the run asks for GPUs (never tried on a GPU).
@@ -33,6 +37,7 @@ driver leaves it off when the run asks for GPUs (never tried on a GPU).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import selectors
@@ -46,12 +51,18 @@ from typing import Any
 
 MODULE = "async_rlhf.startup.forkserver"
 PRELOAD = ("torch", "transformers", "vllm", "deepspeed", "ray._private.workers.default_worker")
-"""What the server imports before it forks anything (``default_worker``'s imports: it runs as __main__ later)."""
+"""What the server imports before it forks anything (``default_worker``'s imports: it runs as __main__ later);
+``ASYNC_RLHF_FORKSERVER_PRELOAD`` (comma-separated module names) in the roles' environment replaces it."""
+PRELOAD_ENV = "ASYNC_RLHF_FORKSERVER_PRELOAD"
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
-SERVER_START_S = 300.0
-"""How long a wrapper waits for its node's server to import everything and listen (then it runs Ray's plain
-command: a server that slow is no faster than the imports it would save)."""
+LISTEN_S = 30.0
+"""How long a wrapper tries to reach a server it started (the server listens before it imports anything)."""
+FORK_S = 300.0
+"""How long a wrapper waits for its child's pid (the server answers once its imports are done); then it runs
+Ray's plain command: a server that slow saves nothing."""
+REQUEST_S = 10.0
+"""How long the server waits for the request of a wrapper that connected (it sends it right after connecting)."""
 _MAX_REQUEST = 1 << 20
 
 
@@ -76,10 +87,10 @@ count), so a worker must come from a server that was started with the same value
 
 
 def server_name(node_id: str, env: dict[str, str]) -> str:
-    """The abstract socket of the server for this node and these :data:`IMPORT_TIME_ENV` values (abstract names
-    are per network namespace, as a node is)."""
-    key = "-".join(env.get(k, "") for k in IMPORT_TIME_ENV)
-    return f"\0async_rlhf-forkserver-{node_id}-{key}"
+    """The abstract socket of the server for this node, these :data:`IMPORT_TIME_ENV` values and this preload
+    list (abstract names are per network namespace, as a node is; hashed: they have at most 107 bytes)."""
+    key = [node_id, *(env.get(k, "") for k in IMPORT_TIME_ENV), env.get(PRELOAD_ENV, "")]
+    return "\0async_rlhf-forkserver-" + hashlib.sha1("\n".join(key).encode()).hexdigest()
 
 
 # ---------------------------------------------------------------- the wrapper Ray starts as the worker command
@@ -92,8 +103,7 @@ def _plain(argv: list[str]) -> None:
 
 def _connect(name: str, argv: list[str], raylet_pid: int) -> socket.socket:
     """A connection to the node's server; the first wrapper to find none starts it."""
-    started = False
-    deadline = time.monotonic() + SERVER_START_S
+    deadline = None
     while True:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
@@ -103,20 +113,20 @@ def _connect(name: str, argv: list[str], raylet_pid: int) -> socket.socket:
             sock.close()
             if os.getppid() != raylet_pid:  # the raylet is gone: so is the worker it wanted
                 sys.exit(1)
-            if time.monotonic() > deadline:
+            if deadline is not None and time.monotonic() > deadline:
                 raise
-        if not started:
+        if deadline is None:
             _start_server(name, argv, raylet_pid)
-            started = True
+            deadline = time.monotonic() + LISTEN_S
         time.sleep(0.05)
 
 
 def _start_server(name: str, argv: list[str], raylet_pid: int) -> None:
-    """Start the node's server, detached from this wrapper: through an intermediate process that exits at once,
-    so that it is nobody's child (Ray ends a worker's children with it, and this wrapper is the raylet's worker
-    process), in a process group of its own (Ray ends a worker's process group with it) and in the raylet's
-    session (so that ending a job's session ends it too). Several wrappers may start one;
-    the first to bind the name serves, the others exit. It starts with this wrapper's environment (the
+    """Start the node's server for this wrapper, detached from it: through an intermediate process that exits at
+    once, so that it is nobody's child (Ray ends a worker's children with it, and this wrapper is the raylet's
+    worker process), in a process group of its own (Ray ends a worker's process group with it) and in the
+    raylet's session (so that ending a job's session ends it too). Several wrappers may start one; the first to
+    bind the name serves, the others exit. It starts with this wrapper's environment (the
     :data:`IMPORT_TIME_ENV` values its name stands for). Its log is ``forkserver.log`` in the session's logs."""
     logs = os.path.join(_arg(argv, "--temp-dir") or "/tmp/ray", _arg(argv, "--session-name") or "", "logs")
     log_path = os.path.join(logs, "forkserver.log") if os.path.isdir(logs) else os.devnull
@@ -125,11 +135,31 @@ def _start_server(name: str, argv: list[str], raylet_pid: int) -> None:
         os.waitpid(pid, 0)
         return
     try:
-        with open(log_path, "ab") as log:
-            subprocess.Popen([sys.executable, "-m", MODULE, "--serve", name.lstrip("\0"), str(raylet_pid)],
-                             stdin=subprocess.DEVNULL, stdout=log, stderr=log, close_fds=True, process_group=0)
+        _spawn_server(name, raylet_pid, log_path, None)
     finally:
         os._exit(0)
+
+
+def _spawn_server(name: str, raylet_pid: int, log_path: str, env: dict[str, str] | None) -> None:
+    with open(log_path, "ab") as log:
+        subprocess.Popen([sys.executable, "-m", MODULE, "--serve", name.lstrip("\0"), str(raylet_pid)],
+                         stdin=subprocess.DEVNULL, stdout=log, stderr=log, close_fds=True, process_group=0,
+                         env=env)
+
+
+def prestart(node_id: str, raylet_pid: int, role_envs: list[dict[str, str]]) -> int:
+    """Start now, from the driver of a Ray it started itself, the servers the roles with these variables will
+    ask for on this node (one per distinct :func:`server_name`): their imports then overlap the driver's own
+    start-up (Ray, placement, the buffer) instead of delaying the first generator and learner rank. Returns how
+    many were started. A wrapper that finds its server still importing waits for it; one whose variables differ
+    from these starts its own."""
+    names: dict[str, dict[str, str]] = {}
+    for role_env in role_envs:
+        env = {**os.environ, **role_env}
+        names.setdefault(server_name(node_id, env), env)
+    for name, env in names.items():
+        _spawn_server(name, raylet_pid, os.devnull, env)
+    return len(names)
 
 
 def wrap(argv: list[str]) -> None:
@@ -143,9 +173,12 @@ def wrap(argv: list[str]) -> None:
         request = json.dumps({"argv": argv, "env": dict(os.environ), "cwd": os.getcwd()}).encode()
         socket.send_fds(sock, [request], [0, 1, 2, life_r])
         os.close(life_r)
-        reply = json.loads(sock.recv(_MAX_REQUEST) or b"{}")
+        sock.settimeout(FORK_S)
+        reply = json.loads(sock.recv(_MAX_REQUEST) or b"{}")  # a server that died: no reply, KeyError
+        sock.settimeout(None)
         pid = int(reply["pid"])
     except (OSError, ValueError, KeyError) as exc:
+        # the pipe's write end closes at exec: a child the server would still fork ends itself at once
         print(f"async_rlhf forkserver: {exc!r}; starting the worker the plain way", file=sys.stderr, flush=True)
         _plain(argv)
         return
@@ -154,8 +187,10 @@ def wrap(argv: list[str]) -> None:
     code = _wait_child(sock, pid)
     os.close(life_w)
     if code < 0:  # ended by a signal: end the same way, as the raylet would have seen it
-        signal.signal(-code, signal.SIG_DFL)
+        if -code in FORWARDED:
+            signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)
+        code = 128 - code  # a signal that does not end a process by default
     sys.exit(code)
 
 
@@ -196,6 +231,14 @@ def _wait_child(sock: socket.socket, pid: int) -> int:
 # ---------------------------------------------------------------- the server
 
 
+def _pythonpath(env: dict[str, str] | os._Environ[str]) -> list[str]:
+    return [os.path.abspath(p) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+
+
+_INTERPRETER_PATH: list[str] = []
+"""The server's ``sys.path`` without its first entry and its own PYTHONPATH (set when it starts serving)."""
+
+
 class _Child:
     """What the forked child runs, returned out of the serve loop so the worker runs at the top of the stack."""
 
@@ -203,8 +246,8 @@ class _Child:
         self.request, self.fds = request, fds
 
     def run(self) -> None:
-        for sig in (signal.SIGCHLD, *FORWARDED):
-            signal.signal(sig, signal.SIG_DFL)
+        for sig in (signal.SIGCHLD, *FORWARDED):  # as in a fresh interpreter
+            signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
         for target, fd in zip((0, 1, 2), self.fds[:3]):
             os.dup2(fd, target)
             os.close(fd)
@@ -216,9 +259,11 @@ class _Child:
         argv = req["argv"][1:] if req["argv"][:1] == ["-u"] else req["argv"]
         script = argv[0]
         sys.argv = list(argv)
-        extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+        # as a fresh interpreter would have it: the script's folder, the worker's PYTHONPATH (a job's working_dir),
+        # then the interpreter's own entries (not the PYTHONPATH of the wrapper that started the server)
+        extra = _pythonpath(os.environ)
         sys.path[:] = [os.path.dirname(os.path.abspath(script)), *extra,
-                       *[p for p in sys.path[1:] if p not in extra]]
+                       *[p for p in _INTERPRETER_PATH if p not in extra]]
         _reapply_environment()
         import runpy
 
@@ -260,40 +305,37 @@ def _watch_lifeline(fd: int) -> None:
 
 
 def serve(name: str, raylet_pid: int) -> _Child | None:
-    """Listen on ``name``; fork a child per request; report each child's end; return when the raylet is gone
-    (``None``) or, in a child, with what the child runs."""
-    for module in PRELOAD:
-        __import__(module)
+    """Listen on ``name`` (before importing anything: a second server started for the same name exits at once,
+    and wrappers queue their requests while the imports run); fork a child per request; report each child's end;
+    return when the raylet is gone (``None``) or, in a child, with what the child runs."""
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
         listener.bind("\0" + name)
     except OSError:
         return None  # another wrapper's server has it
-    listener.listen(64)
+    listener.listen(256)
+    own = _pythonpath(os.environ)
+    _INTERPRETER_PATH[:] = [p for p in sys.path[1:] if os.path.abspath(p) not in own]
+    t0 = time.monotonic()
+    preload = [m for m in os.environ.get(PRELOAD_ENV, ",".join(PRELOAD)).split(",") if m]
+    for module in preload:
+        __import__(module)
+    print(f"forkserver {name}: pid {os.getpid()}, raylet {raylet_pid}, imported {', '.join(preload)} in "
+          f"{time.monotonic() - t0:.1f} s", flush=True)
     raylet = os.pidfd_open(raylet_pid)
     sel = selectors.DefaultSelector()
     sel.register(listener, selectors.EVENT_READ, "listen")
     sel.register(raylet, selectors.EVENT_READ, "raylet")
     waiting: dict[int, socket.socket] = {}
-    print(f"forkserver {name}: serving (pid {os.getpid()}, raylet {raylet_pid})", flush=True)
     while True:
         for key, _ in sel.select(timeout=0.2):
             if key.data == "raylet":
                 print(f"forkserver {name}: raylet {raylet_pid} ended", flush=True)
                 return None
-            conn, _ = listener.accept()
-            peer_uid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[1]
-            if peer_uid != os.getuid():  # the socket is reachable by every user of the node: serve ours only
-                print(f"forkserver {name}: refused a request from uid {peer_uid}", flush=True)
-                conn.close()
+            request = _accept(name, listener)
+            if request is None:
                 continue
-            try:
-                data, fds, _flags, _addr = socket.recv_fds(conn, _MAX_REQUEST, 4)
-                request = json.loads(data)
-            except (OSError, ValueError) as exc:
-                print(f"forkserver {name}: bad request: {exc!r}", flush=True)
-                conn.close()
-                continue
+            conn, message, fds = request
             sys.stdout.flush()
             sys.stderr.flush()
             pid = os.fork()
@@ -305,22 +347,57 @@ def serve(name: str, raylet_pid: int) -> _Child | None:
                 conn.close()
                 for other in waiting.values():
                     other.close()
-                return _Child(request, fds)
+                return _Child(message, fds)
             for fd in fds:
                 os.close(fd)
             waiting[pid] = conn
             _send(conn, {"pid": pid})
-        while waiting:
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                break
-            if pid == 0:
-                break
-            conn = waiting.pop(pid, None)
-            if conn is not None:
-                _send(conn, {"exit": os.waitstatus_to_exitcode(status)})
-                conn.close()
+        _reap(waiting)
+
+
+def _accept(name: str, listener: socket.socket) -> tuple[socket.socket, dict[str, Any], list[int]] | None:
+    """The next request: its connection, message and fds; ``None`` for one refused or already given up."""
+    conn, _ = listener.accept()
+    peer_uid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[1]
+    if peer_uid != os.getuid():  # the socket is reachable by every user of the node: serve ours only
+        print(f"forkserver {name}: refused a request from uid {peer_uid}", flush=True)
+        conn.close()
+        return None
+    fds: list[int] = []
+    conn.settimeout(REQUEST_S)  # a wrapper killed between its connect and its request must not stall the server
+    try:
+        data, fds, _flags, _addr = socket.recv_fds(conn, _MAX_REQUEST, 4)
+        conn.settimeout(None)
+        message = json.loads(data)
+        if len(fds) != 4:
+            raise ValueError(f"{len(fds)} file descriptors, not 4")
+        try:  # a wrapper that gave up waiting (and ran its worker the plain way) closed its end
+            if conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b"":
+                raise ValueError("the wrapper is gone")
+        except BlockingIOError:
+            pass
+    except (OSError, ValueError) as exc:
+        print(f"forkserver {name}: request not served: {exc!r}", flush=True)
+        for fd in fds:
+            os.close(fd)
+        conn.close()
+        return None
+    return conn, message, fds
+
+
+def _reap(waiting: dict[int, socket.socket]) -> None:
+    """Tell the wrappers of children that ended how they ended."""
+    while waiting:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        conn = waiting.pop(pid, None)
+        if conn is not None:
+            _send(conn, {"exit": os.waitstatus_to_exitcode(status)})
+            conn.close()
 
 
 def _send(conn: socket.socket, message: dict[str, int]) -> None:

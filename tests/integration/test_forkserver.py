@@ -1,0 +1,262 @@
+"""The fork server Ray workers start through (async_rlhf/startup/forkserver.py), as real processes.
+
+Most tests stand in a process named ``raylet`` (a link to this Python) for Ray's raylet and a small script for
+Ray's ``default_worker.py``, with a cheap preload list, so that every path (fork, exit codes, signals, a killed
+wrapper, the raylet's end, a server that does not answer, no raylet at all) runs in a second or two; the last
+one starts real Ray actors through it with the real preload list. Every run of a generator or learner rank in
+the integration and cluster tiers goes through it too (``run.fork_workers`` is on by default).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from async_rlhf.startup import forkserver
+
+WORKER = textwrap.dedent('''
+    import json, os, sys, time
+    out = {"pid": os.getpid(), "ppid": os.getppid(), "argv": sys.argv, "cwd": os.getcwd(),
+           "x": os.environ.get("X"), "preloaded": "colorsys" in sys.modules, "path": sys.path}
+    with open(os.environ["OUT"], "w") as f:
+        json.dump(out, f)
+    if "sleep" in sys.argv:
+        time.sleep(120)
+    sys.exit(int(os.environ.get("CODE", "0")))
+''')
+
+RAYLET = textwrap.dedent('''
+    import subprocess, sys
+    import os
+    wrapper = subprocess.Popen([os.environ["REAL_PYTHON"], "-m", "async_rlhf.startup.forkserver", *sys.argv[1:]])
+    print(wrapper.pid, flush=True)
+    print(wrapper.wait(), flush=True)
+    sys.stdin.read()  # lives until the test closes its stdin
+''')
+
+
+class FakeRaylet:
+    """A process named ``raylet`` that starts one wrapper for ``worker.py`` and reports its pid and exit code."""
+
+    def __init__(self, tmp: Path, node: str, env: dict[str, str], *args: str) -> None:
+        exe = tmp / "bin" / "raylet"
+        if not exe.exists():
+            exe.parent.mkdir(exist_ok=True)
+            exe.symlink_to(Path(sys.executable).parent / "python")  # the venv's python, named raylet
+            (tmp / "worker.py").write_text(WORKER)
+            (tmp / "raylet_main.py").write_text(RAYLET)
+            (tmp / "s" / "logs").mkdir(parents=True)  # the session's logs: the server's log goes there
+        self.out = tmp / f"out-{uuid.uuid4().hex[:6]}.json"
+        full_env = {**os.environ, "ASYNC_RLHF_FORKSERVER_PRELOAD": "colorsys", "OUT": str(self.out),
+                    "REAL_PYTHON": sys.executable, **env}
+        self.proc = subprocess.Popen(
+            [str(exe), str(tmp / "raylet_main.py"), str(tmp / "worker.py"), f"--node-id={node}",
+             f"--temp-dir={tmp}", "--session-name=s", *args],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=full_env, cwd=tmp)
+        self.wrapper = int(self.proc.stdout.readline())
+
+    def worker(self, timeout: float = 60.0) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                return json.loads(self.out.read_text())
+            except (OSError, ValueError):
+                time.sleep(0.05)
+        raise AssertionError("the worker script never ran")
+
+    def wrapper_code(self, timeout: float = 30.0) -> int:
+        line = _readline(self.proc, timeout)
+        return int(line)
+
+    def end(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=10)
+
+
+def _readline(proc: subprocess.Popen, timeout: float) -> str:
+    import selectors
+
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    assert sel.select(timeout), "no line in time"
+    return proc.stdout.readline()
+
+
+def _gone(pid: int, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().split(") ")[1].startswith("Z"):
+                    return True
+        except OSError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _cmdline(pid: int) -> str:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read().replace(b"\0", b" ").decode()
+
+
+@pytest.fixture()
+def node() -> str:
+    return uuid.uuid4().hex
+
+
+@pytest.fixture()
+def raylets():
+    """FakeRaylet(...) for a test; each one's raylet (and so its server) ended after it, failed or not."""
+    made: list[FakeRaylet] = []
+
+    def make(*args, **kwargs) -> FakeRaylet:
+        made.append(FakeRaylet(*args, **kwargs))
+        return made[-1]
+
+    yield make
+    for fake in reversed(made):
+        if fake.proc.poll() is None:
+            fake.proc.kill()
+            fake.proc.wait(timeout=10)
+
+
+@pytest.mark.isolated
+def test_a_worker_is_forked_with_its_environment_cwd_argv_and_exit_code(tmp_path, node, raylets):
+    first = raylets(tmp_path, node, {"X": "one", "CODE": "3"}, "--flag", "a b")
+    seen = first.worker()
+    assert first.wrapper_code() == 3, "the wrapper ends with its worker's code"
+    assert seen["preloaded"] and seen["pid"] != first.wrapper, "forked from the server, not run in the wrapper"
+    assert "--serve" in _cmdline(seen["ppid"])
+    assert seen["x"] == "one" and seen["cwd"] == str(tmp_path)
+    assert seen["argv"] == [str(tmp_path / "worker.py"), f"--node-id={node}", f"--temp-dir={tmp_path}",
+                            "--session-name=s", "--flag", "a b"]
+    assert "imported colorsys" in (tmp_path / "s" / "logs" / "forkserver.log").read_text()
+
+
+@pytest.mark.isolated
+def test_the_server_is_shared_per_node_and_per_thread_settings_and_ends_with_its_raylet(tmp_path, node, raylets):
+    a = raylets(tmp_path, node, {"X": "a"})
+    server = a.worker()["ppid"]
+    assert a.wrapper_code() == 0
+    b = raylets(tmp_path, node, {"X": "b"})  # another raylet process on the same node id: same name
+    assert b.worker()["ppid"] == server and b.wrapper_code() == 0
+    c = raylets(tmp_path, node, {"OMP_NUM_THREADS": "3"})
+    assert c.worker()["ppid"] != server, "other import-time thread settings: a server of their own"
+    assert c.wrapper_code() == 0
+    c.end()
+    b.end()
+    a.end()  # the raylet the server watches (the first one's)
+    assert _gone(server), "the server outlived its raylet"
+
+
+@pytest.mark.isolated
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_to_the_wrapper_reaches_the_worker_and_ends_both_the_same_way(tmp_path, node, sig, raylets):
+    fake = raylets(tmp_path, node, {}, "sleep")
+    child = fake.worker()["pid"]
+    os.kill(fake.wrapper, sig)
+    assert fake.wrapper_code() == -sig
+    assert _gone(child)
+
+
+@pytest.mark.isolated
+def test_a_killed_wrapper_takes_its_worker_with_it(tmp_path, node, raylets):
+    fake = raylets(tmp_path, node, {}, "sleep")
+    child = fake.worker()["pid"]
+    os.kill(fake.wrapper, signal.SIGKILL)
+    assert fake.wrapper_code() == -signal.SIGKILL
+    assert _gone(child, 5.0), "the worker outlived its wrapper"
+
+
+@pytest.mark.isolated
+def test_a_worker_killed_by_pid_ends_its_wrapper_with_the_same_signal(tmp_path, node, raylets):
+    fake = raylets(tmp_path, node, {}, "sleep")  # as the raylet kills a worker: by the pid it registered
+    os.kill(fake.worker()["pid"], signal.SIGKILL)
+    assert fake.wrapper_code() == -signal.SIGKILL
+
+
+@pytest.mark.isolated
+def test_a_server_that_does_not_answer_leaves_the_worker_to_start_the_plain_way(tmp_path, node, raylets):
+    env = {"ASYNC_RLHF_FORKSERVER_PRELOAD": "colorsys", "CODE": "4"}
+    squatter = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    squatter.bind(forkserver.server_name(node, {**os.environ, **env}))
+    squatter.listen(4)
+    fake = raylets(tmp_path, node, env)
+    conn, _ = squatter.accept()
+    conn.close()  # as a server that died before answering
+    seen = fake.worker()
+    assert seen["pid"] == fake.wrapper and not seen["preloaded"], "not exec'd in place of the wrapper"
+    assert fake.wrapper_code() == 4
+    squatter.close()
+
+
+@pytest.mark.isolated
+def test_a_wrapper_that_connects_and_never_asks_does_not_stall_the_server(tmp_path, node, raylets):
+    first = raylets(tmp_path, node, {})
+    server = first.worker()["ppid"]
+    silent = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    silent.connect(forkserver.server_name(node, {**os.environ, "ASYNC_RLHF_FORKSERVER_PRELOAD": "colorsys"}))
+    t0 = time.monotonic()
+    second = raylets(tmp_path, node, {"CODE": "6"})  # queued behind the silent one
+    assert second.worker(timeout=forkserver.REQUEST_S + 20)["ppid"] == server
+    assert second.wrapper_code() == 6 and time.monotonic() - t0 >= forkserver.REQUEST_S - 1
+    silent.close()
+
+
+@pytest.mark.isolated
+def test_a_worker_gets_its_own_pythonpath_not_the_one_the_server_started_with(tmp_path, node, raylets):
+    base = os.environ.get("PYTHONPATH", "")
+    first = raylets(tmp_path, node, {"PYTHONPATH": os.pathsep.join(filter(None, [base, str(tmp_path / "a")]))})
+    assert str(tmp_path / "a") in first.worker()["path"]  # this wrapper started the server: a is in its path
+    second = raylets(tmp_path, node, {"PYTHONPATH": os.pathsep.join(filter(None, [base, str(tmp_path / "b")]))})
+    path = second.worker()["path"]
+    assert str(tmp_path / "b") in path and str(tmp_path / "a") not in path
+    assert path[0] == str(tmp_path), "the script's folder first, as in a fresh interpreter"
+
+
+@pytest.mark.isolated
+def test_without_a_raylet_parent_the_worker_starts_the_plain_way(tmp_path, node, raylets):
+    (tmp_path / "worker.py").write_text(WORKER)
+    out = tmp_path / "out.json"
+    proc = subprocess.run([sys.executable, "-m", "async_rlhf.startup.forkserver", str(tmp_path / "worker.py"),
+                           f"--node-id={node}"], env={**os.environ, "OUT": str(out), "CODE": "5"}, timeout=60)
+    seen = json.loads(out.read_text())
+    assert proc.returncode == 5 and not seen["preloaded"] and seen["ppid"] == os.getpid()
+
+
+def test_ray_actors_start_forked_from_the_preloaded_server(ray_address):
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class Probe:
+        def __init__(self) -> None:
+            self.preloaded = "vllm" in sys.modules and "deepspeed" in sys.modules  # before any import of ours
+
+        def facts(self) -> dict:
+            import numpy as np
+            import torch
+
+            return {"pid": os.getpid(), "ppid": os.getppid(), "preloaded": self.preloaded,
+                    "threads": torch.get_num_threads(), "x": os.environ.get("X"), "draw": float(np.random.rand())}
+
+    env = {"py_executable": forkserver.command(), "env_vars": {"OMP_NUM_THREADS": "1", "X": "y"}}
+    actors = [Probe.options(runtime_env=env).remote() for _ in range(2)]
+    facts = ray.get([a.facts.remote() for a in actors], timeout=300)
+    assert all(f["preloaded"] and f["threads"] == 1 and f["x"] == "y" for f in facts)
+    assert facts[0]["ppid"] == facts[1]["ppid"] and "--serve" in _cmdline(facts[0]["ppid"])
+    assert facts[0]["draw"] != facts[1]["draw"], "numpy's global generator is reseeded in each child"
+    for actor, f in zip(actors, facts):
+        ray.kill(actor)
+        assert _gone(f["pid"], 30.0), "ray.kill did not end the forked worker"
+    assert not _gone(facts[0]["ppid"], 0.5), "the server serves the next worker of this Ray"

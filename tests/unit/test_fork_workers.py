@@ -1,0 +1,46 @@
+"""Which roles start forked from the node's preloaded server (run.fork_workers; startup/forkserver.py), and the
+server's name: per node, per import-time thread settings and preload list. The processes themselves are tested in
+tests/integration/test_forkserver.py."""
+
+from __future__ import annotations
+
+import sys
+
+from async_rlhf.config import Config
+from async_rlhf.driver.cluster import role_runtime_env
+from async_rlhf.startup import forkserver
+
+
+def test_cpu_roles_start_through_the_fork_server_with_their_variables() -> None:
+    env = role_runtime_env(Config(), {"OMP_NUM_THREADS": "1"})
+    assert env == {"env_vars": {"OMP_NUM_THREADS": "1"},
+                   "py_executable": f"{sys.executable} -m async_rlhf.startup.forkserver"}
+
+
+def test_no_fork_when_turned_off_or_when_a_role_asks_for_gpus() -> None:
+    off = Config()
+    off.run.fork_workers = False
+    gpu_gen, gpu_learner = Config(), Config()
+    gpu_gen.resources.generator_gpus = 1.0
+    gpu_learner.resources.learner_gpus = 0.5
+    for cfg in (off, gpu_gen, gpu_learner):
+        assert role_runtime_env(cfg, {"A": "b"}) == {"env_vars": {"A": "b"}}
+
+
+def test_one_server_per_node_thread_settings_and_preload_list() -> None:
+    name = forkserver.server_name("n1", {"OMP_NUM_THREADS": "1", "UNRELATED": "x"})
+    assert name.startswith("\0") and len(name) <= 107, "an abstract socket name of at most 107 bytes"
+    assert name == forkserver.server_name("n1", {"OMP_NUM_THREADS": "1", "UNRELATED": "y"})
+    others = [forkserver.server_name("n2", {"OMP_NUM_THREADS": "1"}),
+              forkserver.server_name("n1", {"OMP_NUM_THREADS": "2"}),
+              forkserver.server_name("n1", {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}),
+              forkserver.server_name("n1", {"OMP_NUM_THREADS": "1", forkserver.PRELOAD_ENV: "torch"})]
+    assert len({name, *others}) == 5
+
+
+def test_worker_arguments_are_read_in_both_spellings() -> None:
+    argv = ["default_worker.py", "--node-id=abc", "--temp-dir", "/tmp/ray", "--session-name="]
+    assert forkserver._arg(argv, "--node-id") == "abc"
+    assert forkserver._arg(argv, "--temp-dir") == "/tmp/ray"
+    assert forkserver._arg(argv, "--session-name") == ""
+    assert forkserver._arg(argv, "--worker-id") is None
