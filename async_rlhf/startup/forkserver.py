@@ -50,9 +50,14 @@ import time
 from typing import Any
 
 MODULE = "async_rlhf.startup.forkserver"
-PRELOAD = ("torch", "transformers", "vllm", "deepspeed", "ray._private.workers.default_worker")
-"""What the server imports before it forks anything (``default_worker``'s imports: it runs as __main__ later);
-``ASYNC_RLHF_FORKSERVER_PRELOAD`` (comma-separated module names) in the roles' environment replaces it."""
+PRELOAD = ("torch", "transformers", "vllm", "deepspeed")
+"""What the server imports before it forks anything; ``ASYNC_RLHF_FORKSERVER_PRELOAD`` (comma-separated module
+names) in the roles' environment replaces it. Never Ray: its core library reads the worker's job and raylet
+(``RAY_JOB_ID``, ``RAY_RAYLET_PID``) from the environment once, when loaded, so a child of a server that had
+loaded it registers with the job of the wrapper that started the server (seen: a second job's workers were
+ended at once as workers of the first, finished, job). The server refuses to serve if a preloaded module
+loaded it."""
+NEVER_PRELOADED = "ray._raylet"
 PRELOAD_ENV = "ASYNC_RLHF_FORKSERVER_PRELOAD"
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
@@ -320,6 +325,10 @@ def serve(name: str, raylet_pid: int) -> _Child | None:
     preload = [m for m in os.environ.get(PRELOAD_ENV, ",".join(PRELOAD)).split(",") if m]
     for module in preload:
         __import__(module)
+    if NEVER_PRELOADED in sys.modules:
+        print(f"forkserver {name}: {', '.join(preload)} loaded {NEVER_PRELOADED}: not serving (every worker will "
+              "start the plain way)", flush=True)
+        return None
     print(f"forkserver {name}: pid {os.getpid()}, raylet {raylet_pid}, imported {', '.join(preload)} in "
           f"{time.monotonic() - t0:.1f} s", flush=True)
     raylet = os.pidfd_open(raylet_pid)

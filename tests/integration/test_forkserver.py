@@ -260,3 +260,35 @@ def test_ray_actors_start_forked_from_the_preloaded_server(ray_address):
         ray.kill(actor)
         assert _gone(f["pid"], 30.0), "ray.kill did not end the forked worker"
     assert not _gone(facts[0]["ppid"], 0.5), "the server serves the next worker of this Ray"
+
+
+JOB = textwrap.dedent('''
+    import json, os, sys, ray
+    from async_rlhf.startup.forkserver import command
+    ray.init(address=sys.argv[1])
+
+    @ray.remote(num_cpus=0)
+    class Probe:
+        def ids(self):
+            return os.getppid(), ray.get_runtime_context().get_job_id()
+
+    env = {"py_executable": command(), "env_vars": {"OMP_NUM_THREADS": "1"}}
+    server, job = ray.get(Probe.options(runtime_env=env).remote().ids.remote(), timeout=120)
+    print(json.dumps({"server": server, "worker_job": job, "job": ray.get_runtime_context().get_job_id()}))
+''')
+
+
+def test_jobs_after_the_one_that_started_the_server_get_workers_of_their_own_job(ray_address, tmp_path):
+    """Two drivers one after the other on the shared Ray: each one's forked worker belongs to its own job (a
+    server that had loaded Ray's core library gave the second job's workers the first job's id, and the raylet
+    ended them at once as workers of a finished job)."""
+    script = tmp_path / "job.py"
+    script.write_text(JOB)
+    seen = []
+    for _ in range(2):
+        out = subprocess.run([sys.executable, str(script), ray_address], capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        seen.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    a, b = seen
+    assert a["worker_job"] == a["job"] and b["worker_job"] == b["job"] and a["job"] != b["job"]
+    assert a["server"] == b["server"] and "--serve" in _cmdline(a["server"]), "both forked from one server"
