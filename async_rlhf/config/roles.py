@@ -186,8 +186,8 @@ class RunConfig(Section):
     """Start afresh in a run.dir that holds a previous run (its files are deleted first); without it a
     non-empty run.dir is refused unless --resume continues it."""
     fork_workers: bool = True
-    """Start the roles' Ray workers (buffer, generators, learner ranks) as children of a process per node that has
-    already imported PyTorch, transformers, vLLM, DeepSpeed and Ray (async_rlhf/startup/forkserver.py): a role
+    """Start the generators' and learner ranks' Ray workers as children of a process per node that has
+    already imported PyTorch, transformers, vLLM and DeepSpeed (async_rlhf/startup/forkserver.py): a role
     starts in ~1 s instead of ~8-20 s of imports. Only on CPU runs (off whenever a role asks for GPUs); the
     nodes must have this run's Python at the driver's path (as they need the run's packages anyway)."""
     buffer_max_restarts: Count = 3

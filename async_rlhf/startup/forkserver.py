@@ -1,10 +1,11 @@
-"""Ray workers forked from a process that has already imported PyTorch, transformers, vLLM, DeepSpeed and Ray.
+"""Ray workers forked from a process that has already imported PyTorch, transformers, vLLM and DeepSpeed.
 
 Each role (buffer, generator, learner rank) is a Ray actor in a worker process of its own, and a new worker first
 imports what its role needs: ~8 s of CPU on an idle 2-core machine, 20 s on a busy one, for every generator and
 learner rank started, restarted or added. With ``run.fork_workers`` (on by default on CPU) the driver gives each
-role's runtime environment a ``py_executable`` (Ray's maintained way to choose how a worker is started) that is
-this module: a small wrapper that asks the node's fork server for a child already past those imports.
+generator's and learner rank's runtime environment a ``py_executable`` (Ray's maintained way to choose how a
+worker is started) that is this module: a small wrapper that asks the node's fork server for a child already
+past those imports.
 
     raylet --exec--> wrapper: python -m async_rlhf.startup.forkserver default_worker.py --node-id=N ...
                        | connects to the abstract socket named after the node and the thread settings
