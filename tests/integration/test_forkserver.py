@@ -226,6 +226,23 @@ def test_a_worker_gets_its_own_pythonpath_not_the_one_the_server_started_with(tm
 
 
 @pytest.mark.isolated
+def test_a_prestarted_server_serves_the_first_worker(tmp_path, node, raylets):
+    """What the driver of a Ray of its own does as it starts Ray (Cluster._prestart_fork_servers): the server
+    is up before any worker asks, and a worker with the same thread settings is forked from it."""
+    env = {"ASYNC_RLHF_FORKSERVER_PRELOAD": "colorsys", "OMP_NUM_THREADS": "2"}
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])  # the raylet it watches
+    try:
+        assert forkserver.prestart(node, sleeper.pid, [env, dict(env), {**env, "OTHER": "x"}]) == 1
+        seen = raylets(tmp_path, node, env).worker()
+        assert seen["preloaded"] and "--serve" in _cmdline(seen["ppid"])
+        assert f" {sleeper.pid}" in _cmdline(seen["ppid"]), "the prestarted server, not one the wrapper started"
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert _gone(seen["ppid"]), "the prestarted server outlived the process it watched"
+
+
+@pytest.mark.isolated
 def test_without_a_raylet_parent_the_worker_starts_the_plain_way(tmp_path, node, raylets):
     (tmp_path / "worker.py").write_text(WORKER)
     out = tmp_path / "out.json"
