@@ -57,7 +57,10 @@ names) in the roles' environment replaces it. Never Ray: its core library reads 
 (``RAY_JOB_ID``, ``RAY_RAYLET_PID``) from the environment once, when loaded, so a child of a server that had
 loaded it registers with the job of the wrapper that started the server (seen: a second job's workers were
 ended at once as workers of the first, finished, job). The server refuses to serve if a preloaded module
-loaded it."""
+loaded it. So the generator's ``from vllm import LLM`` (about as long again as ``import vllm``) is still imported
+by each generator: ``vllm.entrypoints.llm`` and ``vllm.v1.engine.core`` load Ray's core library, and
+``vllm.v1.worker.cpu_model_runner`` (most of that cost, no Ray) starts a native thread, not yet checked safe to
+fork around."""
 NEVER_PRELOADED = "ray._raylet"
 PRELOAD_ENV = "ASYNC_RLHF_FORKSERVER_PRELOAD"
 
