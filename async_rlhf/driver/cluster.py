@@ -210,10 +210,10 @@ class Cluster:
         """Seconds per start-up phase and role (summary.json's ``startup_s_by_phase``)."""
 
     def generator_env(self) -> dict[str, Any]:
-        return self.runtime_env(engine_env(self.cfg))
+        return role_runtime_env(self.cfg, {**self.role_env, **engine_env(self.cfg)})
 
     def learner_env(self) -> dict[str, Any]:
-        return self.runtime_env({"OMP_NUM_THREADS": str(self.cfg.learner.threads)})
+        return role_runtime_env(self.cfg, {**self.role_env, "OMP_NUM_THREADS": str(self.cfg.learner.threads)})
 
     def _prestart_fork_servers(self) -> None:
         """On the Ray this driver started (one node, this host): start the fork servers the generators and learner
@@ -230,10 +230,6 @@ class Cluster:
 
             forkserver.prestart(ray.get_runtime_context().get_node_id(), raylets[0],
                                 [e["env_vars"] for e in envs])
-
-    def runtime_env(self, env_vars: dict[str, str] | None = None) -> dict[str, Any]:
-        """A generator's or learner rank's Ray runtime environment (:func:`role_runtime_env`)."""
-        return role_runtime_env(self.cfg, {**self.role_env, **(env_vars or {})})
 
     def _driver_phase(self, phase: str, since: float) -> float:
         now = time.time()

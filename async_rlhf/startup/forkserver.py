@@ -183,14 +183,15 @@ def wrap(argv: list[str]) -> None:
         socket.send_fds(sock, [request], [0, 1, 2, life_r])
         os.close(life_r)
         sock.settimeout(FORK_S)
-        reply = json.loads(sock.recv(_MAX_REQUEST) or b"{}")  # a server that died: no reply, KeyError
+        reply = json.loads(sock.recv(_MAX_REQUEST) or b"{}")
         sock.settimeout(None)
+        if "pid" not in reply:
+            raise ValueError(reply.get("refused", "the server ended without answering"))
         pid = int(reply["pid"])
-    except (OSError, ValueError, KeyError) as exc:
+    except (OSError, ValueError) as exc:
         # the pipe's write end closes at exec: a child the server would still fork ends itself at once
         print(f"async_rlhf forkserver: {exc!r}; starting the worker the plain way", file=sys.stderr, flush=True)
         _plain(argv)
-        return
     for sig in FORWARDED:
         signal.signal(sig, lambda s, _f: _signal(pid, s))
     code = _wait_child(sock, pid)
@@ -221,14 +222,9 @@ def _signal(pid: int, sig: int) -> None:
 def _wait_child(sock: socket.socket, pid: int) -> int:
     """The child's exit code (negative: the signal that ended it), from the server; if the server is gone,
     wait for the child to be gone and return 1."""
-    while True:
-        try:
-            data = sock.recv(_MAX_REQUEST)
-        except InterruptedError:
-            continue
-        if data:
-            return int(json.loads(data)["exit"])
-        break
+    data = sock.recv(_MAX_REQUEST)  # EINTR (a forwarded signal) is retried by Python
+    if data:
+        return int(json.loads(data)["exit"])
     while True:
         try:
             os.kill(pid, 0)
@@ -281,11 +277,9 @@ class _Child:
 
 def _reapply_environment() -> None:
     """What the preloaded modules took from the server's environment when imported, taken from the worker's:
-    torch's thread count, vLLM's log level; and numpy's global generator, seeded at import (a fresh process
-    seeds it from the OS; forked children would all share the server's draw)."""
-    threads = os.environ.get("OMP_NUM_THREADS", "")
-    if threads.isdigit() and int(threads) > 0 and "torch" in sys.modules:
-        sys.modules["torch"].set_num_threads(int(threads))
+    vLLM's log level; and numpy's global generator, seeded at import (a fresh process seeds it from the OS;
+    forked children would all share the server's draw). The thread counts need nothing: the server was started
+    with the worker's (:data:`IMPORT_TIME_ENV`, its name)."""
     level = os.environ.get("VLLM_LOGGING_LEVEL", "")
     if level and "vllm" in sys.modules:
         import logging
@@ -329,10 +323,9 @@ def serve(name: str, raylet_pid: int) -> _Child | None:
     preload = [m for m in os.environ.get(PRELOAD_ENV, ",".join(PRELOAD)).split(",") if m]
     for module in preload:
         __import__(module)
-    if NEVER_PRELOADED in sys.modules:
-        print(f"forkserver {name}: {', '.join(preload)} loaded {NEVER_PRELOADED}: not serving (every worker will "
-              "start the plain way)", flush=True)
-        return None
+    refusal = f"{', '.join(preload)} loaded {NEVER_PRELOADED}" if NEVER_PRELOADED in sys.modules else ""
+    if refusal:  # stays bound, so that wrappers find it and start plain at once instead of starting servers
+        print(f"forkserver {name}: {refusal}: not forking (every worker starts the plain way)", flush=True)
     print(f"forkserver {name}: pid {os.getpid()}, raylet {raylet_pid}, imported {', '.join(preload)} in "
           f"{time.monotonic() - t0:.1f} s", flush=True)
     raylet = os.pidfd_open(raylet_pid)
@@ -349,6 +342,12 @@ def serve(name: str, raylet_pid: int) -> _Child | None:
             if request is None:
                 continue
             conn, message, fds = request
+            if refusal:
+                for fd in fds:
+                    os.close(fd)
+                _send(conn, {"refused": refusal})  # no pid: the wrapper runs the worker the plain way
+                conn.close()
+                continue
             sys.stdout.flush()
             sys.stderr.flush()
             pid = os.fork()
@@ -413,7 +412,7 @@ def _reap(waiting: dict[int, socket.socket]) -> None:
             conn.close()
 
 
-def _send(conn: socket.socket, message: dict[str, int]) -> None:
+def _send(conn: socket.socket, message: dict[str, Any]) -> None:
     try:
         conn.send(json.dumps(message).encode())
     except OSError:

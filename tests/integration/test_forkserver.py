@@ -243,6 +243,18 @@ def test_a_prestarted_server_serves_the_first_worker(tmp_path, node, raylets):
 
 
 @pytest.mark.isolated
+def test_a_server_whose_preloads_load_ray_refuses_and_every_worker_starts_plain(tmp_path, node, raylets):
+    env = {"ASYNC_RLHF_FORKSERVER_PRELOAD": "colorsys,ray._raylet"}
+    for code in ("7", "8"):  # the second finds the same (refusing) server instead of starting another
+        fake = raylets(tmp_path, node, {**env, "CODE": code})
+        seen = fake.worker()
+        assert seen["pid"] == fake.wrapper and not seen["preloaded"], "forked from a server that loaded Ray"
+        assert fake.wrapper_code() == int(code)
+    log = (tmp_path / "s" / "logs" / "forkserver.log").read_text()
+    assert log.count("not forking") == 1, log
+
+
+@pytest.mark.isolated
 def test_without_a_raylet_parent_the_worker_starts_the_plain_way(tmp_path, node, raylets):
     (tmp_path / "worker.py").write_text(WORKER)
     out = tmp_path / "out.json"
