@@ -74,6 +74,17 @@ def test_join_and_receive_time_out_without_a_sender_acting():
     assert sender.store.queue_len(P.JOIN_QUEUE) == 1  # the request stays queued: a later push admits it
 
 
+def test_a_waiting_receiver_fills_no_log(capfd):
+    """An idle member asks the store every slice without a timed c10d wait: each one that timed out logged two
+    warning lines (500 lines in a 4-step demo)."""
+    sender = Sender(BUCKETS, HOST, free_port(), timeout_s=1.5)
+    rx = Receiver(BUCKETS, "gen0", HOST, sender.port, timeout_s=1.5)
+    with pytest.raises(SyncTimeout, match="admission of gen0"):
+        bounded(lambda: rx.join(timeout_s=1.5), 4.0)
+    err = capfd.readouterr().err
+    assert "waitForInput" not in err and "timed out after" not in err, err[-2000:]
+
+
 def test_admitted_member_that_never_gets_ready_is_named_and_can_be_dropped():
     sender = Sender(BUCKETS, HOST, free_port(), timeout_s=1.0)
     sender.store.queue_push(P.JOIN_QUEUE, P.encode_join(P.Member("ghost", "x")))  # asks, then vanishes
