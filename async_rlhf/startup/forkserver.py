@@ -51,16 +51,18 @@ import time
 from typing import Any
 
 MODULE = "async_rlhf.startup.forkserver"
-PRELOAD = ("torch", "transformers", "vllm", "deepspeed")
+PRELOAD = ("torch", "transformers", "vllm", "deepspeed", "vllm.v1.worker.cpu_model_runner?")
 """What the server imports before it forks anything; ``ASYNC_RLHF_FORKSERVER_PRELOAD`` (comma-separated module
-names) in the roles' environment replaces it. Never Ray: its core library reads the worker's job and raylet
-(``RAY_JOB_ID``, ``RAY_RAYLET_PID``) from the environment once, when loaded, so a child of a server that had
-loaded it registers with the job of the wrapper that started the server (seen: a second job's workers were
-ended at once as workers of the first, finished, job). The server refuses to serve if a preloaded module
-loaded it. So the generator's ``from vllm import LLM`` (about as long again as ``import vllm``) is still imported
-by each generator: ``vllm.entrypoints.llm`` and ``vllm.v1.engine.core`` load Ray's core library, and
-``vllm.v1.worker.cpu_model_runner`` (most of that cost, no Ray) starts a native thread, not yet checked safe to
-fork around."""
+names) in the roles' environment replaces it. A name ending in ``?`` is skipped where it does not exist (vLLM
+moves its modules between releases: that costs a generator its import time, nothing else). Never Ray: its core
+library reads the worker's job and raylet (``RAY_JOB_ID``, ``RAY_RAYLET_PID``) from the environment once, when
+loaded, so a child of a server that had loaded it registers with the job of the wrapper that started the server
+(seen: a second job's workers were ended at once as workers of the first, finished, job). The server refuses to
+serve if a preloaded module loaded it. ``import vllm`` is lazy: the CPU model runner is most of what building an
+engine imports besides (4.5-5.5 s on 2 cores) and loads no Ray, unlike ``vllm.entrypoints.llm`` and
+``vllm.v1.engine.core`` (under a second after it). The native threads it adds are OpenBLAS's and OpenMP's pools
+(OpenCV's bundled OpenBLAS), sized by the thread variables the server is keyed by: none under
+``OMP_NUM_THREADS=OPENBLAS_NUM_THREADS=1``, and both libraries reset their pools in a forked child."""
 NEVER_PRELOADED = "ray._raylet"
 PRELOAD_ENV = "ASYNC_RLHF_FORKSERVER_PRELOAD"
 
@@ -320,9 +322,7 @@ def serve(name: str, raylet_pid: int) -> _Child | None:
     own = _pythonpath(os.environ)
     _INTERPRETER_PATH[:] = [p for p in sys.path[1:] if os.path.abspath(p) not in own]
     t0 = time.monotonic()
-    preload = [m for m in os.environ.get(PRELOAD_ENV, ",".join(PRELOAD)).split(",") if m]
-    for module in preload:
-        __import__(module)
+    preload = _preload(os.environ.get(PRELOAD_ENV, ",".join(PRELOAD)), name)
     refusal = f"{', '.join(preload)} loaded {NEVER_PRELOADED}" if NEVER_PRELOADED in sys.modules else ""
     if refusal:  # stays bound, so that wrappers find it and start plain at once instead of starting servers
         print(f"forkserver {name}: {refusal}: not forking (every worker starts the plain way)", flush=True)
@@ -365,6 +365,23 @@ def serve(name: str, raylet_pid: int) -> _Child | None:
             waiting[pid] = conn
             _send(conn, {"pid": pid})
         _reap(waiting)
+
+
+def _preload(names: str, server: str) -> list[str]:
+    """Import each comma-separated module; one marked optional (``name?``) that does not exist is skipped with a
+    line in the log. Returns the modules imported."""
+    done = []
+    for entry in filter(None, names.split(",")):
+        module = entry.rstrip("?")
+        try:
+            __import__(module)
+        except ModuleNotFoundError as exc:
+            if not entry.endswith("?") or not (exc.name and module.startswith(exc.name)):
+                raise
+            print(f"forkserver {server}: no module {module} here: not preloaded", flush=True)
+            continue
+        done.append(module)
+    return done
 
 
 def _accept(name: str, listener: socket.socket) -> tuple[socket.socket, dict[str, Any], list[int]] | None:

@@ -255,6 +255,17 @@ def test_a_server_whose_preloads_load_ray_refuses_and_every_worker_starts_plain(
 
 
 @pytest.mark.isolated
+def test_an_optional_preload_that_does_not_exist_is_skipped(tmp_path, node, raylets):
+    """``PRELOAD`` names a vLLM module that moves between releases: where it is missing the server still forks."""
+    env = {"ASYNC_RLHF_FORKSERVER_PRELOAD": "colorsys,colorsys.no_such_module?,json.no_such_module?"}
+    fake = raylets(tmp_path, node, env)
+    seen = fake.worker()
+    assert seen["preloaded"] and seen["pid"] != fake.wrapper, "not forked from the server"
+    log = (tmp_path / "s" / "logs" / "forkserver.log").read_text()
+    assert log.count("not preloaded") == 2 and "imported colorsys in" in log, log
+
+
+@pytest.mark.isolated
 def test_without_a_raylet_parent_the_worker_starts_the_plain_way(tmp_path, node, raylets):
     (tmp_path / "worker.py").write_text(WORKER)
     out = tmp_path / "out.json"
@@ -270,7 +281,7 @@ def test_ray_actors_start_forked_from_the_preloaded_server(ray_address):
     @ray.remote(num_cpus=0)
     class Probe:
         def __init__(self) -> None:
-            self.preloaded = "vllm" in sys.modules and "deepspeed" in sys.modules  # before any import of ours
+            self.preloaded = all(m in sys.modules for m in ("vllm", "deepspeed", "vllm.v1.worker.cpu_model_runner"))
 
         def facts(self) -> dict:
             import numpy as np
