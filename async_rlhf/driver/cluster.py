@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -119,10 +120,39 @@ def role_runtime_env(cfg: Config, env_vars: dict[str, str]) -> dict[str, Any]:
     return out
 
 
+ROLE_ENV = {"TOKENIZERS_PARALLELISM": "false"}
+"""What every role's environment holds (a run across nodes adds its network mode and keys, the start-up watch its
+board)."""
+
+
+def generator_env(cfg: Config, role_env: dict[str, str]) -> dict[str, Any]:
+    return role_runtime_env(cfg, {**role_env, **engine_env(cfg)})
+
+
+def learner_env(cfg: Config, role_env: dict[str, str]) -> dict[str, Any]:
+    return role_runtime_env(cfg, {**role_env, "OMP_NUM_THREADS": str(cfg.learner.threads)})
+
+
+def start_early_fork_servers(cfg: Config, address: str | None = None) -> Any:
+    """For a driver that will start a Ray of its own (no Ray in this process, no address): the fork servers its
+    generators and learner ranks will ask for, started now, first thing (``forkserver.EarlyServers``), so that
+    their imports overlap the driver's model and Ray's start; ``Cluster`` names them once Ray is up. None where
+    the driver joins a Ray (its nodes' servers are theirs) or the roles are not forked."""
+    ray = sys.modules.get("ray")
+    if address or os.environ.get("RAY_ADDRESS") or (ray is not None and ray.is_initialized()):
+        return None
+    envs = [generator_env(cfg, ROLE_ENV), learner_env(cfg, ROLE_ENV)]
+    if "py_executable" not in envs[0]:
+        return None
+    from async_rlhf.startup.forkserver import EarlyServers
+
+    return EarlyServers([e["env_vars"] for e in envs])
+
+
 class Cluster:
     """Handles to the started roles (the integration tests inspect them after a run)."""
 
-    def __init__(self, cfg: Config, model_path: str, address: str | None = None) -> None:
+    def __init__(self, cfg: Config, model_path: str, address: str | None = None, early: Any = None) -> None:
         import ray
 
         from async_rlhf.buffer.actor import BufferActor
@@ -153,7 +183,7 @@ class Cluster:
                 self.own_ray = True
         alive = sum(1 for n in ray.nodes() if n.get("Alive"))
         self.across_nodes = use_node_addresses(cfg.run.network, alive)
-        self.role_env: dict[str, str] = {"TOKENIZERS_PARALLELISM": "false"}
+        self.role_env: dict[str, str] = dict(ROLE_ENV)
         if self.across_nodes:  # every actor (and this driver's own buffer client) learns the mode and the keys
             self.role_env.update({NETWORK_ENV: "node", **run_keys_env(make_run_keys())})
             os.environ.update(self.role_env)
@@ -161,7 +191,7 @@ class Cluster:
         self.startup = StartupWatch(cfg, t0, error=NodeSetupError)
         self.role_env.update(self.startup.env)
         if self.own_ray:
-            self._prestart_fork_servers()
+            self._prestart_fork_servers(early)
         t = self._driver_phase("ray start", t0)
         self.groups = self._placement_groups()
         t = self._driver_phase("placement", t)
@@ -210,26 +240,44 @@ class Cluster:
         """Seconds per start-up phase and role (summary.json's ``startup_s_by_phase``)."""
 
     def generator_env(self) -> dict[str, Any]:
-        return role_runtime_env(self.cfg, {**self.role_env, **engine_env(self.cfg)})
+        return generator_env(self.cfg, self.role_env)
 
     def learner_env(self) -> dict[str, Any]:
-        return role_runtime_env(self.cfg, {**self.role_env, "OMP_NUM_THREADS": str(self.cfg.learner.threads)})
+        return learner_env(self.cfg, self.role_env)
 
-    def _prestart_fork_servers(self) -> None:
-        """On the Ray this driver started (one node, this host): start the fork servers the generators and learner
-        ranks will use now, so that their imports overlap the placement, the node check and the buffer's start."""
+    def _prestart_fork_servers(self, early: Any) -> None:
+        """On the Ray this driver started (one node, this host): name the fork servers started before Ray
+        (``start_early_fork_servers``) and start any other the generators and learner ranks will use now, so that
+        their imports overlap the placement, the node check and the buffer's start."""
         import psutil
         import ray
 
-        envs = [self.generator_env(), self.learner_env()]
-        if "py_executable" not in envs[0]:
-            return
+        envs = [e["env_vars"] for e in (self.generator_env(), self.learner_env()) if "py_executable" in e]
         raylets = [p.pid for p in psutil.Process().children(recursive=True) if p.name() == "raylet"]
-        if len(raylets) == 1:
-            from async_rlhf.startup import forkserver
+        if not envs or len(raylets) != 1:
+            if early is not None:
+                early.close()
+            return
+        from async_rlhf.startup import forkserver
 
-            forkserver.prestart(ray.get_runtime_context().get_node_id(), raylets[0],
-                                [e["env_vars"] for e in envs])
+        node_id = ray.get_runtime_context().get_node_id()
+        if early is not None:
+            envs = early.bind(node_id, raylets[0], envs)
+        if envs:
+            forkserver.prestart(node_id, raylets[0], envs)
+        early_pids = early.pids if early is not None else []
+        used: dict[int, float] = {}
+
+        def servers_cpu() -> float:  # a rank waiting for its server to import is not stuck (StartupWatch)
+            for pid in {*early_pids, *forkserver.server_pids(raylets[0])}:
+                try:
+                    times = psutil.Process(pid).cpu_times()
+                except psutil.Error:
+                    continue  # ended: what it used stays counted
+                used[pid] = times.user + times.system
+            return sum(used.values())
+
+        self.startup.helpers = servers_cpu
 
     def _driver_phase(self, phase: str, since: float) -> float:
         now = time.time()

@@ -12,7 +12,7 @@ from typing import Any
 
 from async_rlhf.config import Config
 from async_rlhf.driver.agreement import agreement_summary, mismatch_failure, mismatch_note
-from async_rlhf.driver.cluster import Cluster, heldout_accuracy, resolve_model
+from async_rlhf.driver.cluster import Cluster, heldout_accuracy, resolve_model, start_early_fork_servers
 
 log = logging.getLogger(__name__)
 
@@ -303,6 +303,7 @@ def run(cfg: Config, address: str | None = None, cache_root: Path = Path("runs/c
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(cfg.to_json())
     t0 = time.time()
+    early = start_early_fork_servers(cfg, address)  # their imports overlap the model's resolution and Ray's start
     if resume is not None:
         # a copy: pruning deletes old checkpoints, and restarted actors (and save_hf's tokenizer files) still
         # read the directory they started from
@@ -321,7 +322,11 @@ def run(cfg: Config, address: str | None = None, cache_root: Path = Path("runs/c
     if not builtin and not cfg.prompts.eval_path:
         print(f"task.name={cfg.task.name} has no held-out set of its own: no held-out figure is reported; give "
               "one with prompts.eval_path=FILE (JSONL or Parquet, scored by rewards.sources)", flush=True)
-    cluster = Cluster(cfg, model_path, address)
+    try:
+        cluster = Cluster(cfg, model_path, address, early)
+    finally:
+        if early is not None:
+            early.close()  # those not named by now end
     by_phase = cluster.startup_s_by_phase
     by_phase["driver"] = {"model": round(model_s, 3), **by_phase.get("driver", {})}
     if stop is not None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from async_rlhf.startup.board import BOARD_ENV, StartupBoard
@@ -22,7 +23,10 @@ log = logging.getLogger(__name__)
 
 
 class StartupWatch:
-    def __init__(self, cfg: Any, t0: float, error: type[Exception] = RuntimeError) -> None:
+    def __init__(self, cfg: Any, t0: float, error: type[Exception] = RuntimeError,
+                 helpers: Callable[[], float] | None = None) -> None:
+        """``helpers``: the CPU seconds used so far by what the ranks' processes wait for on this host (the fork
+        servers of a Ray this driver started); sampled at every poll (``StartupClock.helper_cpu``)."""
         import ray
 
         run = cfg.run
@@ -33,6 +37,7 @@ class StartupWatch:
         self.t0 = t0
         self.error = error
         self.env = {BOARD_ENV: self.name}
+        self.helpers = helpers
         self.driver_phases: dict[str, float] = {}
         self._seen: dict[str, int] = {}
         self._line = ""
@@ -80,6 +85,8 @@ class StartupWatch:
         except ray.exceptions.GetTimeoutError:
             snap = None  # the board is starting (or busy): judge on what is known
         now = time.time()
+        if self.helpers is not None:
+            self.clock.helper_cpu(now, self.helpers())
         if snap is not None:
             shift = now - snap["now"]  # the board's clock onto ours
             for name, phases in snap["phases"].items():

@@ -22,6 +22,9 @@ past those imports.
                      (or its signal). The child SIGKILLs itself when the lifeline closes (the wrapper was
                      killed), and the server exits when the raylet that started its first worker does.
 
+A driver that starts a Ray of its own starts its servers first thing (:class:`EarlyServers`), before its model and
+Ray: they import while it works, and learn their name (the node id) and raylet on their stdin once Ray is up.
+
 The server and its children stay in the raylet's session (a job's processes stay one session), each child in a
 process group of its own (the raylet ends a worker's group with it). Anything that fails before the fork (no
 server, a server that does not answer in ``FORK_S``) makes the wrapper exec the plain ``python default_worker.py
@@ -173,6 +176,87 @@ def prestart(node_id: str, raylet_pid: int, role_envs: list[dict[str, str]]) -> 
     return len(names)
 
 
+class EarlyServers:
+    """Servers a driver that will start its own Ray starts before it does anything else: their imports overlap
+    the driver's own (its model, Ray's start, the placement) instead of following Ray's start. Ray's node id and
+    raylet pid, which name a server and end it, exist only once Ray is up: :meth:`bind` then tells each server
+    its name. One per distinct thread setting of ``role_envs`` (the variables the roles' runtime environments
+    will add to this process's)."""
+
+    def __init__(self, role_envs: list[dict[str, str]]) -> None:
+        self.servers: dict[str, subprocess.Popen] = {}
+        for role_env in role_envs:
+            env = {**os.environ, **role_env}
+            key = server_name("", env)
+            if key not in self.servers:
+                self.servers[key] = subprocess.Popen(
+                    [sys.executable, "-m", MODULE, "--early"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL, close_fds=True, process_group=0, env=env)
+
+    def bind(self, node_id: str, raylet_pid: int, role_envs: list[dict[str, str]]) -> list[dict[str, str]]:
+        """Name each server after ``node_id`` and have it end with ``raylet_pid``; wait (up to 5 s) until each
+        listens. Returns the role environments no early server stands for (start theirs with :func:`prestart`);
+        servers no role asks for end."""
+        names, rest = {}, []
+        for role_env in role_envs:
+            env = {**os.environ, **role_env}
+            key = server_name("", env)
+            if key in self.servers:
+                names[key] = server_name(node_id, env)
+            else:
+                rest.append(role_env)
+        for key, proc in self.servers.items():
+            if key in names and proc.poll() is None:
+                try:
+                    proc.stdin.write(f"{names[key].lstrip(chr(0))} {raylet_pid}\n".encode())
+                except OSError:
+                    pass  # it ended: the first wrapper starts the server
+        self.close()
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline and not all(_listening(n) for n in names.values()):
+            time.sleep(0.02)
+        return rest
+
+    @property
+    def pids(self) -> list[int]:
+        return [proc.pid for proc in self.servers.values()]
+
+    def close(self) -> None:
+        """Close every server's stdin: one not yet told its name ends."""
+        for proc in self.servers.values():
+            try:
+                proc.stdin.close()
+            except OSError:
+                pass
+
+
+def server_pids(raylet_pid: int) -> list[int]:
+    """The servers on this host that end with ``raylet_pid`` and were started under that name (by a wrapper or
+    :func:`prestart`; an :class:`EarlyServers`' are its ``pids``)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                args = f.read().split(b"\0")
+        except OSError:
+            continue
+        if MODULE.encode() in args and b"--serve" in args and args[-2:] == [str(raylet_pid).encode(), b""]:
+            pids.append(int(entry))
+    return pids
+
+
+def _listening(name: str) -> bool:
+    """Whether some process listens on the abstract socket ``name`` (as ``/proc/net/unix`` shows it)."""
+    want = "@" + name.lstrip("\0")
+    try:
+        with open("/proc/net/unix") as f:
+            return any(line.rstrip().endswith(" " + want) for line in f)
+    except OSError:
+        return True
+
+
 def wrap(argv: list[str]) -> None:
     """The worker command: have the node's server fork the worker, stand in for it until it ends."""
     node_id, raylet_pid = _arg(argv, "--node-id"), os.getppid()
@@ -313,16 +397,52 @@ def serve(name: str, raylet_pid: int) -> _Child | None:
     """Listen on ``name`` (before importing anything: a second server started for the same name exits at once,
     and wrappers queue their requests while the imports run); fork a child per request; report each child's end;
     return when the raylet is gone (``None``) or, in a child, with what the child runs."""
+    listener = _listen(name)
+    if listener is None:
+        return None  # another wrapper's server has it
+    t0 = time.monotonic()
+    return _serve(listener, name, raylet_pid, _preload(os.environ.get(PRELOAD_ENV, ",".join(PRELOAD)), name), t0)
+
+
+def serve_early() -> _Child | None:
+    """A server the driver started before its Ray (:class:`EarlyServers`): it imports at once, and learns its
+    name and raylet from its stdin (one line, then the driver closes it) while it does; it binds the name as soon
+    as it has it. Ends at once if the driver closes stdin without a line (its Ray did not start, or the roles
+    ask for other settings) or another server has the name."""
+    import threading
+
+    told: list[tuple[socket.socket, str, int]] = []
+
+    def learn_name() -> None:
+        words = sys.stdin.readline().split()
+        listener = _listen(words[0]) if len(words) == 2 else None
+        if listener is None:
+            os._exit(0)
+        told.append((listener, words[0], int(words[1])))
+
+    t0 = time.monotonic()
+    thread = threading.Thread(target=learn_name, name="forkserver-name", daemon=True)
+    thread.start()
+    preload = _preload(os.environ.get(PRELOAD_ENV, ",".join(PRELOAD)), "(early)")
+    thread.join()  # no thread but this one from here on: the serve loop forks
+    listener, name, raylet_pid = told[0]
+    return _serve(listener, name, raylet_pid, preload, t0)
+
+
+def _listen(name: str) -> socket.socket | None:
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
         listener.bind("\0" + name)
     except OSError:
-        return None  # another wrapper's server has it
+        listener.close()
+        return None
     listener.listen(256)
+    return listener
+
+
+def _serve(listener: socket.socket, name: str, raylet_pid: int, preload: list[str], t0: float) -> _Child | None:
     own = _pythonpath(os.environ)
     _INTERPRETER_PATH[:] = [p for p in sys.path[1:] if os.path.abspath(p) not in own]
-    t0 = time.monotonic()
-    preload = _preload(os.environ.get(PRELOAD_ENV, ",".join(PRELOAD)), name)
     refusal = f"{', '.join(preload)} loaded {NEVER_PRELOADED}" if NEVER_PRELOADED in sys.modules else ""
     if refusal:  # stays bound, so that wrappers find it and start plain at once instead of starting servers
         print(f"forkserver {name}: {refusal}: not forking (every worker starts the plain way)", flush=True)
@@ -437,8 +557,8 @@ def _send(conn: socket.socket, message: dict[str, Any]) -> None:
 
 
 def main(argv: list[str]) -> None:
-    if argv[:1] == ["--serve"]:
-        child = serve(argv[1], int(argv[2]))
+    if argv[:1] in (["--serve"], ["--early"]):
+        child = serve(argv[1], int(argv[2])) if argv[0] == "--serve" else serve_early()
         if child is not None:
             child.run()
         return

@@ -26,7 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 PROCESS = "process start"
-"""From the actor's creation to its first report: Ray starting the process, the actor module's imports."""
+"""From the actor's creation to its first report: Ray starting the process (with ``run.fork_workers``, a fork of
+its node's server, which may still be importing), the actor module's imports."""
 IMPORTS = "imports"
 OP_BUILD = "op build"
 OP_LOAD = "op load"
@@ -109,6 +110,10 @@ class StartupClock:
         self.rendezvous = rendezvous
         """``host:port`` of DeepSpeed's rendezvous, for the message about it."""
         self.ranks: dict[str, Rank] = {}
+        self.helpers: list[tuple[float, float]] = []
+        """(time, CPU seconds) of the processes that ranks still in process start wait for on the driver's host:
+        the fork servers importing (``helper_cpu``). A rank that has not reported yet makes progress while they
+        use CPU."""
 
     def add(self, name: str, role: str, node: str, now: float) -> None:
         """A rank's actor was created now (again, after a restart: its history starts over)."""
@@ -141,6 +146,13 @@ class StartupClock:
         while len(r.cpu) > 2 and r.cpu[1][0] < keep:
             r.cpu.pop(0)
 
+    def helper_cpu(self, at: float, cpu_s: float) -> None:
+        """The CPU seconds the helpers (see ``helpers``) have used by ``at``."""
+        self.helpers.append((at, cpu_s))
+        keep = at - 2 * self.limits.silent_s
+        while len(self.helpers) > 2 and self.helpers[1][0] < keep:
+            self.helpers.pop(0)
+
     def enter(self, names: list[str], phase: str, now: float) -> None:
         """A phase the driver runs for these ranks (``first push``, then ``ready``)."""
         for name in names:
@@ -150,11 +162,18 @@ class StartupClock:
         """Whether ``r`` shows progress over the last ``silent_s``: a new phase, or CPU used by its process
         tree (too few heartbeats to judge yet counts as progress)."""
         w = self.limits.silent_s
+        if r.beat is None and r.phase == PROCESS and self.helpers:
+            return self._uses_cpu(self.helpers, now)  # its node's fork server imports what it will start with
         if r.beat is None or now - r.beat > w:
             return False
         if now - r.since < w:
             return True
-        window = [(t, c) for t, c in r.cpu if t >= now - w]
+        return self._uses_cpu(r.cpu, now)
+
+    def _uses_cpu(self, series: list[tuple[float, float]], now: float) -> bool:
+        """Whether (time, CPU seconds) samples show CPU use over the last ``silent_s`` (too few to judge: yes)."""
+        w = self.limits.silent_s
+        window = [(t, c) for t, c in series if t >= now - w]
         if len(window) < 2 or window[0][0] > now - w / 2:
             return True
         (t0, c0), (t1, c1) = window[0], window[-1]
@@ -198,8 +217,11 @@ class StartupClock:
             if anyone:
                 r.deadline = now + lim.phase_s
                 r.extensions += 1
-                what = ("still working" if self.progressing(r, now) and r.beat is not None
-                        else "waiting while other ranks still make progress")
+                if r.beat is None and r.phase == PROCESS and self.helpers and self.progressing(r, now):
+                    what = "the fork server it starts from is still importing"
+                else:
+                    what = ("still working" if self.progressing(r, now) and r.beat is not None
+                            else "waiting while other ranks still make progress")
                 events.append(Event("slow", r.name, r.phase, (
                     f"{where} is slow: {r.doing()} for {spent:.0f} s (run.startup_phase_s={lim.phase_s:g}); "
                     f"{what}, deadline extended by {lim.phase_s:g} s")))

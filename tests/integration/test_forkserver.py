@@ -243,6 +243,38 @@ def test_a_prestarted_server_serves_the_first_worker(tmp_path, node, raylets):
 
 
 @pytest.mark.isolated
+def test_a_server_started_before_ray_is_named_later_and_serves(tmp_path, node, raylets):
+    """What a driver that starts its own Ray does first thing (cluster.start_early_fork_servers): the server
+    imports before the node id exists, is named once Ray is up, and serves the wrappers of that node."""
+    env = {"ASYNC_RLHF_FORKSERVER_PRELOAD": "colorsys", "OMP_NUM_THREADS": "2"}
+    other = {**env, "OMP_NUM_THREADS": "3"}  # a setting no role asks for in the end
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])  # the raylet it watches
+    early = forkserver.EarlyServers([env, dict(env), other])
+    try:
+        assert len(early.servers) == 2
+        unused = early.servers[forkserver.server_name("", {**os.environ, **other})]
+        assert early.bind(node, sleeper.pid, [env, {**env, "OMP_NUM_THREADS": "4"}]) == [
+            {**env, "OMP_NUM_THREADS": "4"}], "a setting no early server stands for is left to prestart"
+        assert unused.wait(timeout=10) == 0, "an early server no role asked for outlived its driver's close"
+        assert forkserver._listening(forkserver.server_name(node, {**os.environ, **env}))
+        seen = raylets(tmp_path, node, env).worker()
+        assert seen["preloaded"] and "--early" in _cmdline(seen["ppid"]), "not forked from the early server"
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert _gone(seen["ppid"]), "the early server outlived the raylet it was told of"
+
+
+@pytest.mark.isolated
+def test_an_early_server_never_named_ends_with_its_driver():
+    """A driver whose Ray did not start closes the servers' stdin (or dies): they end, mid-import or not."""
+    early = forkserver.EarlyServers([{"ASYNC_RLHF_FORKSERVER_PRELOAD": "colorsys"}])
+    (proc,) = early.servers.values()
+    early.close()
+    assert proc.wait(timeout=10) == 0
+
+
+@pytest.mark.isolated
 def test_a_server_whose_preloads_load_ray_refuses_and_every_worker_starts_plain(tmp_path, node, raylets):
     env = {"ASYNC_RLHF_FORKSERVER_PRELOAD": "colorsys,ray._raylet"}
     for code in ("7", "8"):  # the second finds the same (refusing) server instead of starting another

@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 
 from async_rlhf.config import Config
-from async_rlhf.driver.cluster import role_runtime_env
+from async_rlhf.driver.cluster import role_runtime_env, start_early_fork_servers
 from async_rlhf.startup import forkserver
 
 
@@ -44,3 +44,14 @@ def test_worker_arguments_are_read_in_both_spellings() -> None:
     assert forkserver._arg(argv, "--temp-dir") == "/tmp/ray"
     assert forkserver._arg(argv, "--session-name") == ""
     assert forkserver._arg(argv, "--worker-id") is None
+
+
+def test_servers_start_before_ray_only_for_a_ray_of_the_drivers_own(monkeypatch) -> None:
+    """Joining a Ray (an address, ``ray job submit``'s RAY_ADDRESS) or not forking: nothing started early (the
+    started case is tests/integration/test_forkserver.py's)."""
+    off = Config()
+    off.run.fork_workers = False
+    assert start_early_fork_servers(Config(), "10.0.0.5:6379") is None
+    assert start_early_fork_servers(off) is None
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.5:6379")
+    assert start_early_fork_servers(Config()) is None

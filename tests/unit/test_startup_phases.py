@@ -92,6 +92,23 @@ def test_a_process_that_never_reports_stops_the_run_once_nothing_else_progresses
     assert events[0].kind == "stop" and "did not start" in events[0].message and "generator 0" in events[0].message
 
 
+def test_ranks_waiting_for_a_fork_server_that_imports_are_slow_not_stopped() -> None:
+    """No rank has reported (each waits for its node's fork server, still importing): the server's CPU is their
+    progress; once it is idle and still nobody reports, the run stops as before."""
+    clock = StartupClock(LIM)
+    clock.add("generator 0", "generators", "n1", 0.0)
+    clock.add("learner rank 0", "learners", "n1", 0.0)
+    for t in range(0, 102, 2):
+        clock.helper_cpu(float(t), 0.9 * t)
+    events = clock.check(101.0)
+    assert [e.kind for e in events] == ["slow", "slow"], events
+    assert "starting for 101 s" in events[0].message and "fork server" in events[0].message
+    for t in range(102, 260, 2):
+        clock.helper_cpu(float(t), 0.9 * 101)  # imports done, nothing forked: idle
+    events = clock.check(259.0)
+    assert events[-1].kind == "stop" and "did not start" in events[-1].message
+
+
 def test_the_rendezvous_counts_from_the_last_rank_reaching_it_and_is_never_extended() -> None:
     clock = StartupClock(LIM, rendezvous="10.0.0.1:29500")
     for r in (0, 1):
