@@ -11,6 +11,9 @@ What a first run used to build inside its start-up, on the cores the roles were 
     vLLM's model info         vLLM inspects a model class in a fresh Python subprocess (a full vllm import)
                               once per architecture and caches it in $VLLM_CACHE_ROOT/modelinfos
     matplotlib's font list    built on first import into $MPLCONFIGDIR (plots at the end of a run)
+    the tiny policy           with ``--tiny-policy DIR``: what a run given no model starts from (the demo's),
+                              the tiny Qwen2 and its SFT warm start, cached in DIR (the launcher's runs/cache
+                              when run from the same directory): ~50 s on 2 cores, inside a first run's start
 
 Triton writes nothing on CPU (vLLM disables it without its CPU backend), and vLLM's eager engine compiles
 nothing (generator.enforce_eager=auto is on for the CPU engine). A learner rank still finding an op unbuilt
@@ -147,6 +150,17 @@ def model_info_beside() -> Iterator[Callable[[], str]]:
                 child.wait()
 
 
+def build_tiny_policy(cache_root: Path) -> str:
+    """The policy a run given no model starts from, built into ``cache_root`` as the launcher would (nothing
+    when it is there already); the line prebuild prints of it."""
+    from async_rlhf.config import Config
+    from async_rlhf.driver.cluster import resolve_model
+
+    t0 = time.perf_counter()
+    path = resolve_model(Config(), cache_root)
+    return f"prebuild: the tiny policy a run given no model starts from in {path} ({time.perf_counter() - t0:.0f} s)"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv == ["--vllm-model-info"]:
@@ -155,6 +169,12 @@ def main(argv: list[str] | None = None) -> int:
         except ImportError:
             return NO_VLLM
         return 0
+    tiny_root = None
+    if argv[:1] == ["--tiny-policy"] and len(argv) == 2:
+        tiny_root = Path(argv[1])
+    elif argv:
+        print(f"usage: python -m async_rlhf.prebuild [--tiny-policy DIR] (got {' '.join(argv)})", file=sys.stderr)
+        return 2
     t0 = time.perf_counter()
     with model_info_beside() as model_info:
         builder = shm_op_builder()
@@ -166,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{op_dir(builder.NAME)}")
         print(model_info())
     warm_matplotlib()
+    if tiny_root is not None:
+        print(build_tiny_policy(tiny_root), flush=True)
     print(f"prebuild: done in {time.perf_counter() - t0:.0f} s")
     return 0
 

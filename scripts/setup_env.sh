@@ -27,6 +27,7 @@ print(f"environment ready: vllm {vllm.__version__}, transformers {transformers._
       f"deepspeed {deepspeed.__version__}, ray {ray.__version__}")
 PY
 # Build now what a first run would otherwise compile during its start-up (DeepSpeed's shm_comm op, vLLM's model
-# info, matplotlib's font list): see async_rlhf/prebuild.py. Caches follow TORCH_EXTENSIONS_DIR, VLLM_CACHE_ROOT,
-# MPLCONFIGDIR as the runs will.
-"$VENV/bin/python" -m async_rlhf.prebuild
+# info, matplotlib's font list, and the demo's tiny policy in runs/cache, where `make demo` and the launcher run
+# from here look): see async_rlhf/prebuild.py. Caches follow TORCH_EXTENSIONS_DIR, VLLM_CACHE_ROOT, MPLCONFIGDIR
+# as the runs will.
+"$VENV/bin/python" -m async_rlhf.prebuild --tiny-policy runs/cache

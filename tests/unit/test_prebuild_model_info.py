@@ -26,3 +26,10 @@ def test_a_failing_child_is_a_warning_with_its_last_error_line() -> None:
     line = model_info_line(1, "", "Traceback ...\nKeyError: 'Qwen2ForCausalLM'\n")
     assert line.startswith("prebuild: warning: vLLM's model info not derived (KeyError: 'Qwen2ForCausalLM')")
     assert "the first run derives it" in line
+
+
+def test_an_unknown_argument_is_refused_with_the_usage(capsys) -> None:
+    from async_rlhf.prebuild import main
+
+    assert main(["--tiny"]) == 2
+    assert "usage: python -m async_rlhf.prebuild [--tiny-policy DIR]" in capsys.readouterr().err
