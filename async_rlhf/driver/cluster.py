@@ -120,6 +120,12 @@ def role_runtime_env(cfg: Config, env_vars: dict[str, str]) -> dict[str, Any]:
     return out
 
 
+def joined_address(address: str | None) -> str | None:
+    """The Ray a driver joins: ``address``, else ``RAY_ADDRESS`` (under ``ray job submit``: the job's cluster);
+    None: it starts its own (unless this process has one already)."""
+    return address or os.environ.get("RAY_ADDRESS") or None
+
+
 ROLE_ENV = {"TOKENIZERS_PARALLELISM": "false"}
 """What every role's environment holds (a run across nodes adds its network mode and keys, the start-up watch its
 board)."""
@@ -139,7 +145,7 @@ def start_early_fork_servers(cfg: Config, address: str | None = None) -> Any:
     their imports overlap the driver's model and Ray's start; ``Cluster`` names them once Ray is up. None where
     the driver joins a Ray (its nodes' servers are theirs) or the roles are not forked."""
     ray = sys.modules.get("ray")
-    if address or os.environ.get("RAY_ADDRESS") or (ray is not None and ray.is_initialized()):
+    if joined_address(address) or (ray is not None and ray.is_initialized()):
         return None
     envs = [generator_env(cfg, ROLE_ENV), learner_env(cfg, ROLE_ENV)]
     if "py_executable" not in envs[0]:
@@ -169,7 +175,7 @@ class Cluster:
         self.model_path = model_path
         self.plan = plan_placement(cfg)
         res = cfg.resources
-        address = address or os.environ.get("RAY_ADDRESS") or None  # under `ray job submit`: the job's cluster
+        address = joined_address(address)
         self.own_ray = False
         """Whether this driver started the Ray it runs on (one node, this host: its processes inherit this one's
         environment, files and cores)."""
@@ -255,21 +261,17 @@ class Cluster:
         envs = [e["env_vars"] for e in (self.generator_env(), self.learner_env()) if "py_executable" in e]
         raylets = [p.pid for p in psutil.Process().children(recursive=True) if p.name() == "raylet"]
         if not envs or len(raylets) != 1:
-            if early is not None:
-                early.close()
-            return
+            return  # the early servers end when the runner closes them
         from async_rlhf.startup import forkserver
 
         node_id = ray.get_runtime_context().get_node_id()
         if early is not None:
             envs = early.bind(node_id, raylets[0], envs)
-        if envs:
-            forkserver.prestart(node_id, raylets[0], envs)
-        early_pids = early.pids if early is not None else []
+        pids = (early.pids if early is not None else []) + forkserver.prestart(node_id, raylets[0], envs)
         used: dict[int, float] = {}
 
         def servers_cpu() -> float:  # a rank waiting for its server to import is not stuck (StartupWatch)
-            for pid in {*early_pids, *forkserver.server_pids(raylets[0])}:
+            for pid in pids:
                 try:
                     times = psutil.Process(pid).cpu_times()
                 except psutil.Error:

@@ -23,10 +23,7 @@ log = logging.getLogger(__name__)
 
 
 class StartupWatch:
-    def __init__(self, cfg: Any, t0: float, error: type[Exception] = RuntimeError,
-                 helpers: Callable[[], float] | None = None) -> None:
-        """``helpers``: the CPU seconds used so far by what the ranks' processes wait for on this host (the fork
-        servers of a Ray this driver started); sampled at every poll (``StartupClock.helper_cpu``)."""
+    def __init__(self, cfg: Any, t0: float, error: type[Exception] = RuntimeError) -> None:
         import ray
 
         run = cfg.run
@@ -37,7 +34,9 @@ class StartupWatch:
         self.t0 = t0
         self.error = error
         self.env = {BOARD_ENV: self.name}
-        self.helpers = helpers
+        self.helpers: Callable[[], float] | None = None
+        """The CPU seconds used so far by what the ranks' processes wait for on this host (the fork servers of a
+        Ray this driver started; set once they are started); sampled at every poll (``StartupClock.helper_cpu``)."""
         self.driver_phases: dict[str, float] = {}
         self._seen: dict[str, int] = {}
         self._line = ""

@@ -154,26 +154,31 @@ def _start_server(name: str, argv: list[str], raylet_pid: int) -> None:
         os._exit(0)
 
 
-def _spawn_server(name: str, raylet_pid: int, log_path: str, env: dict[str, str] | None) -> None:
+def _spawn_server(name: str, raylet_pid: int, log_path: str, env: dict[str, str] | None) -> int:
     with open(log_path, "ab") as log:
-        subprocess.Popen([sys.executable, "-m", MODULE, "--serve", name.lstrip("\0"), str(raylet_pid)],
-                         stdin=subprocess.DEVNULL, stdout=log, stderr=log, close_fds=True, process_group=0,
-                         env=env)
+        return subprocess.Popen([sys.executable, "-m", MODULE, "--serve", name.lstrip("\0"), str(raylet_pid)],
+                                stdin=subprocess.DEVNULL, stdout=log, stderr=log, close_fds=True, process_group=0,
+                                env=env).pid
 
 
-def prestart(node_id: str, raylet_pid: int, role_envs: list[dict[str, str]]) -> int:
+def prestart(node_id: str, raylet_pid: int, role_envs: list[dict[str, str]]) -> list[int]:
     """Start now, from the driver of a Ray it started itself, the servers the roles with these variables will
     ask for on this node (one per distinct :func:`server_name`): their imports then overlap the driver's own
-    start-up (Ray, placement, the buffer) instead of delaying the first generator and learner rank. Returns how
-    many were started. A wrapper that finds its server still importing waits for it; one whose variables differ
-    from these starts its own."""
+    start-up (Ray, placement, the buffer) instead of delaying the first generator and learner rank. Returns their
+    pids. A wrapper that finds its server still importing waits for it; one whose variables differ from these
+    starts its own."""
     names: dict[str, dict[str, str]] = {}
     for role_env in role_envs:
-        env = {**os.environ, **role_env}
-        names.setdefault(server_name(node_id, env), env)
-    for name, env in names.items():
-        _spawn_server(name, raylet_pid, os.devnull, env)
-    return len(names)
+        name, env = _role_server(node_id, role_env)
+        names.setdefault(name, env)
+    return [_spawn_server(name, raylet_pid, os.devnull, env) for name, env in names.items()]
+
+
+def _role_server(node_id: str, role_env: dict[str, str]) -> tuple[str, dict[str, str]]:
+    """The name of the server for a role with these variables on ``node_id`` (``""``: any node), and the
+    environment it starts with (this process's and the role's)."""
+    env = {**os.environ, **role_env}
+    return server_name(node_id, env), env
 
 
 class EarlyServers:
@@ -186,8 +191,7 @@ class EarlyServers:
     def __init__(self, role_envs: list[dict[str, str]]) -> None:
         self.servers: dict[str, subprocess.Popen] = {}
         for role_env in role_envs:
-            env = {**os.environ, **role_env}
-            key = server_name("", env)
+            key, env = _role_server("", role_env)
             if key not in self.servers:
                 self.servers[key] = subprocess.Popen(
                     [sys.executable, "-m", MODULE, "--early"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
@@ -199,10 +203,9 @@ class EarlyServers:
         servers no role asks for end."""
         names, rest = {}, []
         for role_env in role_envs:
-            env = {**os.environ, **role_env}
-            key = server_name("", env)
+            key = _role_server("", role_env)[0]
             if key in self.servers:
-                names[key] = server_name(node_id, env)
+                names[key] = _role_server(node_id, role_env)[0]
             else:
                 rest.append(role_env)
         for key, proc in self.servers.items():
@@ -228,23 +231,6 @@ class EarlyServers:
                 proc.stdin.close()
             except OSError:
                 pass
-
-
-def server_pids(raylet_pid: int) -> list[int]:
-    """The servers on this host that end with ``raylet_pid`` and were started under that name (by a wrapper or
-    :func:`prestart`; an :class:`EarlyServers`' are its ``pids``)."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                args = f.read().split(b"\0")
-        except OSError:
-            continue
-        if MODULE.encode() in args and b"--serve" in args and args[-2:] == [str(raylet_pid).encode(), b""]:
-            pids.append(int(entry))
-    return pids
 
 
 def _listening(name: str) -> bool:

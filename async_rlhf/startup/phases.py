@@ -141,17 +141,18 @@ class StartupClock:
         if r.beat is not None and at <= r.beat:
             return
         r.beat = at
-        r.cpu.append((at, cpu_s))
-        keep = at - 2 * self.limits.silent_s
-        while len(r.cpu) > 2 and r.cpu[1][0] < keep:
-            r.cpu.pop(0)
+        self._record(r.cpu, at, cpu_s)
 
     def helper_cpu(self, at: float, cpu_s: float) -> None:
         """The CPU seconds the helpers (see ``helpers``) have used by ``at``."""
-        self.helpers.append((at, cpu_s))
+        self._record(self.helpers, at, cpu_s)
+
+    def _record(self, series: list[tuple[float, float]], at: float, cpu_s: float) -> None:
+        """Append a (time, CPU seconds) sample, keeping what the last two ``silent_s`` windows need."""
+        series.append((at, cpu_s))
         keep = at - 2 * self.limits.silent_s
-        while len(self.helpers) > 2 and self.helpers[1][0] < keep:
-            self.helpers.pop(0)
+        while len(series) > 2 and series[1][0] < keep:
+            series.pop(0)
 
     def enter(self, names: list[str], phase: str, now: float) -> None:
         """A phase the driver runs for these ranks (``first push``, then ``ready``)."""

@@ -232,8 +232,10 @@ def test_a_prestarted_server_serves_the_first_worker(tmp_path, node, raylets):
     env = {"ASYNC_RLHF_FORKSERVER_PRELOAD": "colorsys", "OMP_NUM_THREADS": "2"}
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])  # the raylet it watches
     try:
-        assert forkserver.prestart(node, sleeper.pid, [env, dict(env), {**env, "OTHER": "x"}]) == 1
+        started = forkserver.prestart(node, sleeper.pid, [env, dict(env), {**env, "OTHER": "x"}])
+        assert len(started) == 1
         seen = raylets(tmp_path, node, env).worker()
+        assert seen["ppid"] == started[0], "forked by the server prestart started"
         assert seen["preloaded"] and "--serve" in _cmdline(seen["ppid"])
         assert f" {sleeper.pid}" in _cmdline(seen["ppid"]), "the prestarted server, not one the wrapper started"
     finally:
