@@ -22,10 +22,13 @@ ROOT = Path(__file__).resolve().parents[2]
 LAUNCH = [sys.executable, str(ROOT / "launch" / "cluster.py")]
 
 
-def start_job(work: Path, log_name: str, args: list[str]) -> subprocess.Popen:
-    """``launch/cluster.py args`` in its own session, output to ``work/log_name``."""
+def start_job(work: Path, log_name: str, args: list[str], ray_address: str | None = None) -> subprocess.Popen:
+    """``launch/cluster.py args`` in its own session, output to ``work/log_name``. With ``ray_address`` the
+    launcher joins that Ray (``RAY_ADDRESS``, as under ``ray job submit``; the session holds only the driver and
+    the job's actors end with it), else it starts a Ray of its own in the session."""
+    env = {**os.environ, "RAY_ADDRESS": ray_address} if ray_address else None
     return subprocess.Popen([*LAUNCH, *args], cwd=work, stdout=(work / log_name).open("w"),
-                            stderr=subprocess.STDOUT, start_new_session=True)
+                            stderr=subprocess.STDOUT, start_new_session=True, env=env)
 
 
 def session_pids(sid: int, actor: str = "") -> list[int]:

@@ -7,6 +7,9 @@ its state from Redis, the clients reconnect, and the run finishes its steps with
       group delivered just before the kill is taken back (reply_lost) instead of being lost
     every step is in the data ledger, no group or prompt trained twice, and every group Redis knows of is
     trained (in the ledger) or dropped with a reason: none is left delivered to no one
+
+The job joins the session's shared Ray (``RAY_ADDRESS``): the buffer it kills is its own actor, and Ray's restart of
+it is the same on a Ray the job joined as on one it started.
 """
 
 from __future__ import annotations
@@ -24,22 +27,22 @@ from async_rlhf.buffer.testing import RedisServer
 from async_rlhf.driver.fleet import send_control
 from async_rlhf.generator.stream import key_of_group
 
-pytestmark = [pytest.mark.integration, pytest.mark.isolated]
+pytestmark = pytest.mark.integration
 
 STEPS = 60
 KILL_AT = 5
 PREFIX = "restart"
 
 
-def test_a_killed_buffer_on_redis_restarts_and_the_run_finishes_exactly(tmp_path: Path,
-                                                                       tiny_model_dir: Path) -> None:
+def test_a_killed_buffer_on_redis_restarts_and_the_run_finishes_exactly(tmp_path: Path, tiny_model_dir: Path,
+                                                                       ray_address: str) -> None:
     run_dir, log = tmp_path / "run", tmp_path / "job.log"
     server = RedisServer(tmp_path / "redis").start()
     try:
         job = start_job(tmp_path, log.name, job_args(
             tiny_model_dir, run_dir, 0, "buffer.store=redis", f"buffer.redis_url={server.url}",
             f"buffer.redis_prefix={PREFIX}", f"train.steps={STEPS}", "run.buffer_max_restarts=2",
-            "run.stall_timeout_s=120"))
+            "run.stall_timeout_s=120"), ray_address)
         try:
             wait_until(lambda: len(learner_records(run_dir)) >= KILL_AT, f"{KILL_AT} steps", job, log, 400)
             pid = send_control(run_dir, {"op": "pids"})["buffer"]

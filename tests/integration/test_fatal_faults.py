@@ -1,5 +1,9 @@
 """Roles that fail for good stop the run with one error line instead of a run that never ends: a reward source
-that always fails, a killed buffer (memory store), a learner that never gets data (the stall watchdog)."""
+that always fails, a killed buffer (memory store), a learner that never gets data (the stall watchdog).
+
+Each job joins the session's shared Ray (``RAY_ADDRESS``, as under ``ray job submit``): what fails is the job's own
+(its reward source, its buffer actor, its prompts), and its actors end with its driver; the launcher's path on a
+Ray of its own is the resume tests' and the demo's."""
 
 from __future__ import annotations
 
@@ -10,19 +14,20 @@ from pathlib import Path
 import pytest
 from jobs import job_args, kill_session, start_job
 
-pytestmark = [pytest.mark.integration, pytest.mark.isolated]
+pytestmark = pytest.mark.integration
 
 LIMIT_S = 240.0
 
 
-def test_a_reward_that_always_fails_stops_the_run_naming_the_source(tmp_path: Path, tiny_model_dir: Path) -> None:
+def test_a_reward_that_always_fails_stops_the_run_naming_the_source(tmp_path: Path, tiny_model_dir: Path,
+        ray_address: str) -> None:
     broken = tmp_path / "broken_reward.py"
     broken.write_text("def reward(prompt, completion, data):\n    raise ConnectionError('the scorer is down')\n")
     args = job_args(tiny_model_dir, tmp_path / "run", 0, "rewards.sources=function",
                     f"rewards.function={broken}:reward", "rewards.max_consecutive_failures=5",
                     "run.stall_timeout_s=120")
     t0 = time.monotonic()
-    job = start_job(tmp_path, "job.log", args)
+    job = start_job(tmp_path, "job.log", args, ray_address)
     try:
         code = job.wait(timeout=LIMIT_S)
     finally:
@@ -37,14 +42,15 @@ def test_a_reward_that_always_fails_stops_the_run_naming_the_source(tmp_path: Pa
     print(f"stopped {took:.0f} s after the launch: {errors[0]}")
 
 
-def test_a_killed_buffer_stops_the_run_with_one_error_line(tmp_path: Path, tiny_model_dir: Path) -> None:
+def test_a_killed_buffer_stops_the_run_with_one_error_line(tmp_path: Path, tiny_model_dir: Path,
+        ray_address: str) -> None:
     import os
     import signal
 
     from async_rlhf.driver.fleet import send_control
 
     run_dir = tmp_path / "run"
-    job = start_job(tmp_path, "job.log", job_args(tiny_model_dir, run_dir, 20))
+    job = start_job(tmp_path, "job.log", job_args(tiny_model_dir, run_dir, 20), ray_address)
     try:
         deadline = time.monotonic() + LIMIT_S
         while not (run_dir / "metrics.jsonl").is_file() or not any(
@@ -67,7 +73,8 @@ def test_a_killed_buffer_stops_the_run_with_one_error_line(tmp_path: Path, tiny_
     print(f"stopped {took:.0f} s after the kill: {errors[0]}")
 
 
-def test_a_learner_that_never_gets_data_is_stopped_by_the_watchdog(tmp_path: Path, tiny_model_dir: Path) -> None:
+def test_a_learner_that_never_gets_data_is_stopped_by_the_watchdog(tmp_path: Path, tiny_model_dir: Path,
+        ray_address: str) -> None:
     """The prompt source yields nothing (an exhausted stream): generators start no group, the learner waits for
     data; no step for run.stall_timeout_s prints what every role does and stops the run with the cause.
 
@@ -79,7 +86,7 @@ def test_a_learner_that_never_gets_data_is_stopped_by_the_watchdog(tmp_path: Pat
     args = job_args(tiny_model_dir, tmp_path / "run", 0, "prompts.source=python", f"prompts.path={empty}:prompts",
                     f"run.stall_timeout_s={stall_s}")
     t0 = time.monotonic()
-    job = start_job(tmp_path, "job.log", args)
+    job = start_job(tmp_path, "job.log", args, ray_address)
     try:
         code = job.wait(timeout=LIMIT_S)
     finally:

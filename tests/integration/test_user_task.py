@@ -5,7 +5,8 @@ One job: the tiny model on ``task.name=custom`` with ``prompts.eval_path``; SIGI
 Ctrl-C in a terminal) once a few steps and two held-out evaluations are in. The launcher must end by itself
 (exit 0) with a final checkpoint at the last step trained, a summary.json with the real step count and the
 user's held-out figures (and no built-in accuracy), the eval records in metrics.jsonl, and a log that names
-the checkpoints it deleted.
+the checkpoints it deleted. The job joins the session's shared Ray (``RAY_ADDRESS``): the SIGINT reaches its
+driver, which stops the run's actors itself.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from jobs import LAUNCH, kill_session, learner_records, start_job, wait_until
 
 from async_rlhf.driver.checkpoints import list_checkpoints, read_manifest
 
-pytestmark = [pytest.mark.integration, pytest.mark.isolated]
+pytestmark = pytest.mark.integration
 
 REWARD = '''
 def score(prompt, completion, data, *, completion_ids, finish_reason):
@@ -46,7 +47,7 @@ def _eval_records(run_dir: Path) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def stopped_run(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> dict:
+def stopped_run(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path, ray_address: str) -> dict:
     work = tmp_path_factory.mktemp("user_task")
     pairs = [(a, b) for a in range(0, 100, 7) for b in range(0, 100, 11)]
     (work / "train.jsonl").write_text("".join(
@@ -65,12 +66,12 @@ def stopped_run(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) 
             "train.steps=100000", *overrides]
     log = work / "job.log"
     t_launch = time.time()
-    job = start_job(work, log.name, args)
+    job = start_job(work, log.name, args, ray_address)
     try:
         wait_until(lambda: len(learner_records(run_dir)) >= 5 and len(_eval_records(run_dir)) >= 2
                    and len(list_checkpoints(run_dir)) >= 1, "5 steps, 2 evaluations and a checkpoint", job, log,
                    timeout_s=400)
-        os.killpg(job.pid, signal.SIGINT)  # what Ctrl-C does: the launcher's whole process group (Ray's too)
+        os.killpg(job.pid, signal.SIGINT)  # what Ctrl-C does: the launcher's whole process group
         code = job.wait(timeout=300)
     finally:
         kill_session(job.pid)
