@@ -76,7 +76,9 @@ FORK_S = 300.0
 """How long a wrapper waits for its child's pid (the server answers once its imports are done); then it runs
 Ray's plain command: a server that slow saves nothing."""
 REQUEST_S = 10.0
-"""How long the server waits for the request of a wrapper that connected (it sends it right after connecting)."""
+"""How long the server waits for the request of a wrapper that connected (it sends it right after connecting);
+``ASYNC_RLHF_FORKSERVER_REQUEST_S`` in the server's environment sets another."""
+REQUEST_S_ENV = "ASYNC_RLHF_FORKSERVER_REQUEST_S"
 _MAX_REQUEST = 1 << 20
 
 
@@ -499,7 +501,8 @@ def _accept(name: str, listener: socket.socket) -> tuple[socket.socket, dict[str
         conn.close()
         return None
     fds: list[int] = []
-    conn.settimeout(REQUEST_S)  # a wrapper killed between its connect and its request must not stall the server
+    # a wrapper killed between its connect and its request must not stall the server
+    conn.settimeout(float(os.environ.get(REQUEST_S_ENV, REQUEST_S)))
     try:
         data, fds, _flags, _addr = socket.recv_fds(conn, _MAX_REQUEST, 4)
         conn.settimeout(None)

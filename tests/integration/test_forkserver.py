@@ -203,14 +203,15 @@ def test_a_server_that_does_not_answer_leaves_the_worker_to_start_the_plain_way(
 
 @pytest.mark.isolated
 def test_a_wrapper_that_connects_and_never_asks_does_not_stall_the_server(tmp_path, node, raylets):
-    first = raylets(tmp_path, node, {})
+    request_s = 3.0  # the server's wait for a request, set by the environment it starts with (10 s by default)
+    first = raylets(tmp_path, node, {forkserver.REQUEST_S_ENV: str(request_s)})
     server = first.worker()["ppid"]
     silent = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     silent.connect(forkserver.server_name(node, {**os.environ, "ASYNC_RLHF_FORKSERVER_PRELOAD": "colorsys"}))
     t0 = time.monotonic()
     second = raylets(tmp_path, node, {"CODE": "6"})  # queued behind the silent one
-    assert second.worker(timeout=forkserver.REQUEST_S + 20)["ppid"] == server
-    assert second.wrapper_code() == 6 and time.monotonic() - t0 >= forkserver.REQUEST_S - 1
+    assert second.worker(timeout=request_s + 20)["ppid"] == server
+    assert second.wrapper_code() == 6 and time.monotonic() - t0 >= request_s - 1
     silent.close()
 
 
