@@ -38,9 +38,10 @@ def _cli(module: str, *args: str, timeout: float = 900) -> None:
 
 
 def _cli_parallel(commands: dict[str, list[str]], timeout: float = 900) -> None:
-    """Run independent CLIs side by side (one thread each); every one must succeed."""
-    procs = {name: subprocess.Popen(_command(name, *args), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                    text=True, env=_env()) for name, args in commands.items()}
+    """Run independent CLIs side by side (one thread each); every one must succeed. A key names the module, or
+    ``module:label`` for a module run more than once."""
+    procs = {name: subprocess.Popen(_command(name.split(":")[0], *args), stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.PIPE, text=True, env=_env()) for name, args in commands.items()}
     errors = {}
     try:
         for name, proc in procs.items():
@@ -148,8 +149,13 @@ def test_batch_inference_writes_completions_and_rewards(pipeline: dict[str, Path
     from async_rlhf.env.arithmetic import AdditionTask, score_completion
 
     out_task = pipeline["sft"].parent / "completions_task.jsonl"
-    _cli("infer", "--model", str(pipeline["sft"]), "--prompts", str(pipeline["prompts"]), "--out", str(out_task),
-         "--n", "2", "--temperature", "1", "--max-new-tokens", "5", "--reward", "addition")
+    out_rm = pipeline["sft"].parent / "completions_rm.jsonl"
+    common = ["--model", str(pipeline["sft"]), "--prompts", str(pipeline["prompts"]), "--max-new-tokens", "5"]
+    _cli_parallel({  # independent: each its own engine, side by side
+        "infer:task": [*common, "--out", str(out_task), "--n", "2", "--temperature", "1", "--reward", "addition"],
+        "infer:rm": [*common, "--out", str(out_rm), "--n", "1", "--temperature", "0",
+                     "--reward-model", str(pipeline["rm"])],
+    })
     rows = [json.loads(line) for line in out_task.read_text().splitlines()]
     prompts = load_rows(pipeline["prompts"], "prompts")
     assert len(rows) == 2 * len(prompts)
@@ -161,9 +167,6 @@ def test_batch_inference_writes_completions_and_rewards(pipeline: dict[str, Path
     assert {row["sample"] for row in rows} == {0, 1}
     assert sum(row["completion"][:3].isdigit() for row in rows) > 0.8 * len(rows)
 
-    out_rm = pipeline["sft"].parent / "completions_rm.jsonl"
-    _cli("infer", "--model", str(pipeline["sft"]), "--prompts", str(pipeline["prompts"]), "--out", str(out_rm),
-         "--n", "1", "--temperature", "0", "--max-new-tokens", "5", "--reward-model", str(pipeline["rm"]))
     scored = [json.loads(line) for line in out_rm.read_text().splitlines()]
     assert len(scored) == len(prompts)
     assert all(isinstance(r["reward"], float) for r in scored) and len({r["reward"] for r in scored}) > 1

