@@ -82,6 +82,22 @@ REQUEST_S_ENV = "ASYNC_RLHF_FORKSERVER_REQUEST_S"
 _MAX_REQUEST = 1 << 20
 
 
+def request_s(env: dict[str, str]) -> float:
+    """The server's wait for a request (:data:`REQUEST_S`, or :data:`REQUEST_S_ENV` of ``env``), read once as it
+    starts serving; a value that is not a positive number of seconds is refused naming the variable."""
+    raw = env.get(REQUEST_S_ENV)
+    if raw is None:
+        return REQUEST_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = 0.0
+    if not 0 < value < float("inf"):
+        raise ValueError(f"{REQUEST_S_ENV}={raw!r} is not a positive number of seconds: set it to one (e.g. 10) or "
+                         "unset it")
+    return value
+
+
 def command() -> str:
     """The ``py_executable`` to give a runtime environment: this interpreter running this module."""
     return f"{sys.executable} -m {MODULE}"
@@ -431,6 +447,7 @@ def _listen(name: str) -> socket.socket | None:
 def _serve(listener: socket.socket, name: str, raylet_pid: int, preload: list[str], t0: float) -> _Child | None:
     own = _pythonpath(os.environ)
     _INTERPRETER_PATH[:] = [p for p in sys.path[1:] if os.path.abspath(p) not in own]
+    wait_s = request_s(dict(os.environ))
     refusal = f"{', '.join(preload)} loaded {NEVER_PRELOADED}" if NEVER_PRELOADED in sys.modules else ""
     if refusal:  # stays bound, so that wrappers find it and start plain at once instead of starting servers
         print(f"forkserver {name}: {refusal}: not forking (every worker starts the plain way)", flush=True)
@@ -446,7 +463,7 @@ def _serve(listener: socket.socket, name: str, raylet_pid: int, preload: list[st
             if key.data == "raylet":
                 print(f"forkserver {name}: raylet {raylet_pid} ended", flush=True)
                 return None
-            request = _accept(name, listener)
+            request = _accept(name, listener, wait_s)
             if request is None:
                 continue
             conn, message, fds = request
@@ -492,8 +509,10 @@ def _preload(names: str, server: str) -> list[str]:
     return done
 
 
-def _accept(name: str, listener: socket.socket) -> tuple[socket.socket, dict[str, Any], list[int]] | None:
-    """The next request: its connection, message and fds; ``None`` for one refused or already given up."""
+def _accept(name: str, listener: socket.socket,
+            wait_s: float) -> tuple[socket.socket, dict[str, Any], list[int]] | None:
+    """The next request: its connection, message and fds; ``None`` for one refused or already given up (or not
+    sent within ``wait_s``)."""
     conn, _ = listener.accept()
     peer_uid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[1]
     if peer_uid != os.getuid():  # the socket is reachable by every user of the node: serve ours only
@@ -501,8 +520,7 @@ def _accept(name: str, listener: socket.socket) -> tuple[socket.socket, dict[str
         conn.close()
         return None
     fds: list[int] = []
-    # a wrapper killed between its connect and its request must not stall the server
-    conn.settimeout(float(os.environ.get(REQUEST_S_ENV, REQUEST_S)))
+    conn.settimeout(wait_s)  # a wrapper killed between its connect and its request must not stall the server
     try:
         data, fds, _flags, _addr = socket.recv_fds(conn, _MAX_REQUEST, 4)
         conn.settimeout(None)

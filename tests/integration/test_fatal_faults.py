@@ -20,7 +20,7 @@ LIMIT_S = 240.0
 
 
 def test_a_reward_that_always_fails_stops_the_run_naming_the_source(tmp_path: Path, tiny_model_dir: Path,
-        ray_address: str) -> None:
+                                                                    ray_address: str) -> None:
     broken = tmp_path / "broken_reward.py"
     broken.write_text("def reward(prompt, completion, data):\n    raise ConnectionError('the scorer is down')\n")
     args = job_args(tiny_model_dir, tmp_path / "run", 0, "rewards.sources=function",
@@ -43,7 +43,7 @@ def test_a_reward_that_always_fails_stops_the_run_naming_the_source(tmp_path: Pa
 
 
 def test_a_killed_buffer_stops_the_run_with_one_error_line(tmp_path: Path, tiny_model_dir: Path,
-        ray_address: str) -> None:
+                                                           ray_address: str) -> None:
     import os
     import signal
 
@@ -74,7 +74,7 @@ def test_a_killed_buffer_stops_the_run_with_one_error_line(tmp_path: Path, tiny_
 
 
 def test_a_learner_that_never_gets_data_is_stopped_by_the_watchdog(tmp_path: Path, tiny_model_dir: Path,
-        ray_address: str) -> None:
+                                                                   ray_address: str) -> None:
     """The prompt source yields nothing (an exhausted stream): generators start no group, the learner waits for
     data; no step for run.stall_timeout_s prints what every role does and stops the run with the cause.
 

@@ -8,21 +8,19 @@ builds its own ``vllm.LLM``.
 from __future__ import annotations
 
 import os
-import queue
 from pathlib import Path
 from typing import Any
 
 import pytest
 from fork_server import fork_context
-
-ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1",
-       "TOKENIZERS_PARALLELISM": "false"}
+from vllm_engine import BASE_ENV, CPU_ENV, expect
 
 
 def _child(model_dir: str, out: Any) -> None:
-    """The process's body: builds the engine, encodes, generates; puts ("result", ...) or ("error", text)."""
+    """The process's body: builds the engine, encodes, generates; answers ("result", ...) or, as the engine
+    processes of vllm_engine.py do, ("crash", traceback)."""
     try:
-        os.environ.update(ENV)
+        os.environ.update({**BASE_ENV, **CPU_ENV})  # what the test engines of vllm_engine.py run with
         from vllm import LLM, SamplingParams
 
         llm = LLM(model=model_dir, dtype="float32", enforce_eager=True, max_model_len=64, seed=0)
@@ -40,10 +38,10 @@ def _child(model_dir: str, out: Any) -> None:
             "completion_text": result.text,
             "n_logprobs": len(result.logprobs or []),
         }))
-    except BaseException as exc:  # noqa: BLE001 - reported by the test
+    except BaseException:  # noqa: BLE001 - raised in the test by expect()
         import traceback
 
-        out.put(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        out.put(("crash", traceback.format_exc()))
 
 
 @pytest.mark.integration
@@ -58,15 +56,12 @@ def test_tiny_model_round_trips_through_vllm(tmp_path: Path) -> None:
     proc = ctx.Process(target=_child, args=(str(model_dir), out), daemon=True)
     proc.start()
     try:
-        kind, res = out.get(timeout=600)
-    except queue.Empty:
-        kind, res = "error", "no answer in 600 s"
+        res = expect(out, "result", timeout_s=600)
     finally:
         proc.join(timeout=60)
         if proc.is_alive():
             proc.kill()
             proc.join()
-    assert kind == "result", f"the vLLM process failed:\n{res}"
 
     tok = load_tokenizer(model_dir)
     text = "12 + 34 = 46, ok"

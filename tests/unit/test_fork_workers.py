@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import sys
 
+import pytest
+
 from async_rlhf.config import Config
 from async_rlhf.driver.cluster import role_runtime_env, start_early_fork_servers
 from async_rlhf.startup import forkserver
@@ -55,3 +57,11 @@ def test_servers_start_before_ray_only_for_a_ray_of_the_drivers_own(monkeypatch)
     assert start_early_fork_servers(off) is None
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.5:6379")
     assert start_early_fork_servers(Config()) is None
+
+
+def test_the_request_wait_is_read_from_the_environment_and_a_bad_one_named() -> None:
+    assert forkserver.request_s({}) == forkserver.REQUEST_S
+    assert forkserver.request_s({forkserver.REQUEST_S_ENV: "2.5"}) == 2.5
+    for bad in ("soon", "0", "-1", "nan", "inf"):
+        with pytest.raises(ValueError, match=rf"ASYNC_RLHF_FORKSERVER_REQUEST_S='{bad}' is not a positive number"):
+            forkserver.request_s({forkserver.REQUEST_S_ENV: bad})
