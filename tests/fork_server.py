@@ -21,6 +21,7 @@ PRELOAD = [
     "vllm.entrypoints.llm", "vllm.v1.worker.cpu_worker", "vllm.v1.worker.cpu_model_runner",
     "vllm.model_executor.model_loader", "vllm.model_executor.models.qwen2", "async_rlhf.generator.worker_ext",
     "vllm_engine",
+    "frozen_heap",  # last: the garbage collector's walks in the children skip everything imported above
 ]
 SERVER_ENV = {"VLLM_LOGGING_LEVEL": "ERROR", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 """What is read while importing: vLLM configures its logger on import, OpenMP reads its thread count when torch

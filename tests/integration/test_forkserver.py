@@ -25,9 +25,10 @@ import pytest
 from async_rlhf.startup import forkserver
 
 WORKER = textwrap.dedent('''
-    import json, os, sys, time
+    import gc, json, os, sys, time
     out = {"pid": os.getpid(), "ppid": os.getppid(), "argv": sys.argv, "cwd": os.getcwd(),
-           "x": os.environ.get("X"), "preloaded": "colorsys" in sys.modules, "path": sys.path}
+           "x": os.environ.get("X"), "preloaded": "colorsys" in sys.modules, "path": sys.path,
+           "frozen": gc.get_freeze_count()}
     with open(os.environ["OUT"], "w") as f:
         json.dump(out, f)
     if "sleep" in sys.argv:
@@ -137,6 +138,7 @@ def test_a_worker_is_forked_with_its_environment_cwd_argv_and_exit_code(tmp_path
     seen = first.worker()
     assert first.wrapper_code() == 3, "the wrapper ends with its worker's code"
     assert seen["preloaded"] and seen["pid"] != first.wrapper, "forked from the server, not run in the wrapper"
+    assert seen["frozen"] > 1000, "the server froze its imports' objects before it forked (freeze_heap)"
     assert "--serve" in _cmdline(seen["ppid"])
     assert seen["x"] == "one" and seen["cwd"] == str(tmp_path)
     assert seen["argv"] == [str(tmp_path / "worker.py"), f"--node-id={node}", f"--temp-dir={tmp_path}",
