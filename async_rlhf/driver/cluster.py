@@ -50,6 +50,12 @@ def heldout_accuracy(model_dir: str, cfg: Config) -> float:
     return greedy_accuracy(model, load_tokenizer(model_dir), task.heldout(), cfg.generator.max_new_tokens)
 
 
+def timed_heldout_accuracy(model_dir: str, cfg: Config) -> tuple[float, float]:
+    """:func:`heldout_accuracy` and the seconds it took (what ``Cluster.heldout`` runs as a Ray task)."""
+    t0 = time.time()
+    return heldout_accuracy(model_dir, cfg), time.time() - t0
+
+
 def pin_roles(cfg: Config, buffer: Any, generators: list[Any], learners: list[Any],
               nodes: dict[str, list[dict[str, Any]]]) -> tuple[Any, Any]:
     """Pin every actor's process to its cores of the CPU plan (``async_rlhf.driver.cpu_plan``); returns the plan
@@ -111,13 +117,19 @@ def role_runtime_env(cfg: Config, env_vars: dict[str, str]) -> dict[str, Any]:
     """A generator's or learner rank's Ray runtime environment: ``env_vars``, and on a CPU run with
     ``run.fork_workers`` the worker forked from its node's preloaded process (startup/forkserver.py; the buffer
     and the node probe import little and start as Ray starts them)."""
-    res = cfg.resources
     out: dict[str, Any] = {"env_vars": dict(env_vars)}
-    if cfg.run.fork_workers and res.generator_gpus == 0 and res.learner_gpus == 0:
+    if forks_roles(cfg):
         from async_rlhf.startup import forkserver
 
         out["py_executable"] = forkserver.command()
     return out
+
+
+def forks_roles(cfg: Config) -> bool:
+    """Whether the generators and learner ranks are forked from their node's fork server (``run.fork_workers``
+    on a CPU run)."""
+    res = cfg.resources
+    return cfg.run.fork_workers and res.generator_gpus == 0 and res.learner_gpus == 0
 
 
 def joined_address(address: str | None) -> str | None:
@@ -158,7 +170,10 @@ def start_early_fork_servers(cfg: Config, address: str | None = None) -> Any:
 class Cluster:
     """Handles to the started roles (the integration tests inspect them after a run)."""
 
-    def __init__(self, cfg: Config, model_path: str, address: str | None = None, early: Any = None) -> None:
+    def __init__(self, cfg: Config, model_path: str, address: str | None = None, early: Any = None,
+                 heldout: bool = False) -> None:
+        """``heldout``: start :meth:`heldout` of ``model_path`` as soon as the placement is made, beside the rest of
+        the start-up (its ref is :attr:`heldout_start`)."""
         import ray
 
         from async_rlhf.buffer.actor import BufferActor
@@ -200,6 +215,7 @@ class Cluster:
             self._prestart_fork_servers(early)
         t = self._driver_phase("ray start", t0)
         self.groups = self._placement_groups()
+        self.heldout_start = self.heldout(model_path) if heldout else None
         t = self._driver_phase("placement", t)
         self.nodes = self._probe_nodes()
         t = self._driver_phase("node checks", t)
@@ -408,6 +424,19 @@ class Cluster:
 
         return PlacementGroupSchedulingStrategy(placement_group=self.groups[role],
                                                 placement_group_bundle_index=index)
+
+    def heldout(self, model_dir: str) -> Any:
+        """A ref of ``timed_heldout_accuracy(model_dir, cfg)`` computed by a Ray task in generator 0's bundle and
+        runtime environment: on a run that forks its roles (:func:`forks_roles`) the task's worker is a fork of
+        that node's server, past the imports of torch and transformers, so the driver never imports them (~5
+        CPU-s of every launch's start-up on 2 cores, when it evaluated in a thread of its own). The task takes
+        no CPU of the bundle (the generator's are its own) and runs on a node that has the model (the node check
+        saw to that)."""
+        import ray
+
+        return ray.remote(timed_heldout_accuracy).options(
+            num_cpus=0, runtime_env=self.generator_env(),
+            scheduling_strategy=self._in_group("generators", 0)).remote(model_dir, self.cfg)
 
     def new_generator(self, gen_id: int) -> Any:
         """A generator added while training runs (outside the placement group, which has a fixed size)."""

@@ -12,7 +12,13 @@ from typing import Any
 
 from async_rlhf.config import Config
 from async_rlhf.driver.agreement import agreement_summary, mismatch_failure, mismatch_note
-from async_rlhf.driver.cluster import Cluster, heldout_accuracy, resolve_model, start_early_fork_servers
+from async_rlhf.driver.cluster import (
+    Cluster,
+    forks_roles,
+    heldout_accuracy,
+    resolve_model,
+    start_early_fork_servers,
+)
 
 log = logging.getLogger(__name__)
 
@@ -253,9 +259,10 @@ def learner_fractions(learners: list[dict[str, Any]]) -> dict[str, float]:
 
 class Beside:
     """``fn(*args)`` on a daemon thread, beside what the caller does meanwhile; :meth:`result` waits for it and
-    raises what it raised. The driver's held-out evaluation (a transformers forward of a small held-out set) runs
-    so beside the roles' start-up, which leaves a core idle while the generators import vLLM (about 3 s per
-    launch on 2 cores), and beside the shutdown. A daemon: a run that fails to start does not wait for it."""
+    raises what it raised. Where the roles are not forked (GPU runs), the driver's held-out evaluation (a
+    transformers forward of a small held-out set) runs so beside the roles' start-up and beside the shutdown; a
+    run that forks its roles evaluates in a task forked from the generators' server instead (``Cluster.heldout``).
+    A daemon: a run that fails to start does not wait for it."""
 
     def __init__(self, fn: Any, *args: Any) -> None:
         self._box: dict[str, Any] = {}
@@ -280,6 +287,20 @@ class Beside:
     def seconds(self) -> float:
         """How long ``fn`` ran (once :meth:`result` returned)."""
         return self._box["seconds"]
+
+
+class TaskResult:
+    """A ref of ``timed_heldout_accuracy`` (``Cluster.heldout``) with :class:`Beside`'s interface."""
+
+    def __init__(self, ref: Any) -> None:
+        self.ref = ref
+        self.seconds = 0.0
+
+    def result(self) -> Any:
+        import ray
+
+        value, self.seconds = ray.get(self.ref)
+        return value
 
 
 def run(cfg: Config, address: str | None = None, cache_root: Path = Path("runs/cache"),
@@ -317,13 +338,18 @@ def run(cfg: Config, address: str | None = None, cache_root: Path = Path("runs/c
     builtin = cfg.task.name in BUILTIN_HELDOUT
     start_acc = end_acc = None
     model_s = time.time() - t0
-    # the built-in task's held-out accuracy before RL, computed while the roles start
-    start_eval = Beside(heldout_accuracy, model_path, cfg) if builtin else None
+    # the built-in task's held-out accuracy before RL, computed while the roles start: by a task forked from the
+    # generators' fork server where the roles are forked (Cluster.heldout), else in a thread of this driver
+    remote_eval = builtin and forks_roles(cfg)
+    start_eval: Beside | TaskResult | None = (Beside(heldout_accuracy, model_path, cfg)
+                                               if builtin and not remote_eval else None)
     if not builtin and not cfg.prompts.eval_path:
         print(f"task.name={cfg.task.name} has no held-out set of its own: no held-out figure is reported; give "
               "one with prompts.eval_path=FILE (JSONL or Parquet, scored by rewards.sources)", flush=True)
     try:
-        cluster = Cluster(cfg, model_path, address, early)
+        cluster = Cluster(cfg, model_path, address, early, heldout=remote_eval)
+        if remote_eval:
+            start_eval = TaskResult(cluster.heldout_start)
     finally:
         if early is not None:
             early.close()  # those not named by now end
@@ -353,10 +379,12 @@ def run(cfg: Config, address: str | None = None, cache_root: Path = Path("runs/c
         except Exception as exc:  # noqa: BLE001 - the run is done: its summary is still written, without it
             eval_end = None
             log.warning("the held-out evaluation of the final policy failed: %s: %s", type(exc).__name__, exc)
-        end_eval = Beside(heldout_accuracy, policy_dir, cfg) if builtin else None  # beside the shutdown
+        if remote_eval:  # its worker ends with the run's actors: waited for before the shutdown
+            end_acc = TaskResult(cluster.heldout(policy_dir)).result()
+        end_eval = Beside(heldout_accuracy, policy_dir, cfg) if builtin and not remote_eval else None
     finally:
         cluster.shutdown()
-    if end_eval is not None:
+    if end_eval is not None:  # beside the shutdown
         end_acc = end_eval.result()
     from async_rlhf.plots import plot_learning_curve
 
