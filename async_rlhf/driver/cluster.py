@@ -30,11 +30,16 @@ def resolve_model(cfg: Config, cache_root: Path) -> str:
     """The policy to start from: ``model.path``, or the tiny model with its SFT warm start (cached)."""
     if cfg.model.path:
         return str(Path(cfg.model.path).resolve())
-    from async_rlhf.tiny.sft import prepare_tiny_policy
+    from async_rlhf.tiny.cache import cached_policy
 
     task = cfg.task
     if task.name not in ("addition", "longtail"):  # guess_number, reward_model, custom: the addition warm start
         task = task.model_copy(update={"name": "addition"})
+    cached = cached_policy(cache_root, task, seed=cfg.train.seed)  # without importing torch and transformers
+    if cached is not None:
+        return str(cached)
+    from async_rlhf.tiny.sft import prepare_tiny_policy
+
     return str(prepare_tiny_policy(cache_root, task, seed=cfg.train.seed))
 
 
@@ -426,17 +431,17 @@ class Cluster:
                                                 placement_group_bundle_index=index)
 
     def heldout(self, model_dir: str) -> Any:
-        """A ref of ``timed_heldout_accuracy(model_dir, cfg)`` computed by a Ray task in generator 0's bundle and
-        runtime environment: on a run that forks its roles (:func:`forks_roles`) the task's worker is a fork of
-        that node's server, past the imports of torch and transformers, so the driver never imports them (~5
+        """A ref of ``timed_heldout_accuracy(model_dir, cfg)`` computed by a Ray task in learner rank 0's bundle
+        and runtime environment: on a run that forks its roles (:func:`forks_roles`) the task's worker is a fork
+        of that node's server, past the imports of torch and transformers, so the driver never imports them (~5
         CPU-s of every launch's start-up on 2 cores, when it evaluated in a thread of its own). The task takes
-        no CPU of the bundle (the generator's are its own) and runs on a node that has the model (the node check
-        saw to that)."""
+        no CPU of the bundle (the rank's are its own). Rank 0's node has the model (the node check saw to that)
+        and is where :meth:`save_policy` writes the final policy; a run whose rank 0 is gone has failed."""
         import ray
 
         return ray.remote(timed_heldout_accuracy).options(
-            num_cpus=0, runtime_env=self.generator_env(),
-            scheduling_strategy=self._in_group("generators", 0)).remote(model_dir, self.cfg)
+            num_cpus=0, runtime_env=self.learner_env(),
+            scheduling_strategy=self._in_group("learners", 0)).remote(model_dir, self.cfg)
 
     def new_generator(self, gen_id: int) -> Any:
         """A generator added while training runs (outside the placement group, which has a fixed size)."""

@@ -261,7 +261,7 @@ class Beside:
     """``fn(*args)`` on a daemon thread, beside what the caller does meanwhile; :meth:`result` waits for it and
     raises what it raised. Where the roles are not forked (GPU runs), the driver's held-out evaluation (a
     transformers forward of a small held-out set) runs so beside the roles' start-up and beside the shutdown; a
-    run that forks its roles evaluates in a task forked from the generators' server instead (``Cluster.heldout``).
+    run that forks its roles evaluates in a task forked from learner rank 0's server instead (``Cluster.heldout``).
     A daemon: a run that fails to start does not wait for it."""
 
     def __init__(self, fn: Any, *args: Any) -> None:
@@ -338,8 +338,8 @@ def run(cfg: Config, address: str | None = None, cache_root: Path = Path("runs/c
     builtin = cfg.task.name in BUILTIN_HELDOUT
     start_acc = end_acc = None
     model_s = time.time() - t0
-    # the built-in task's held-out accuracy before RL, computed while the roles start: by a task forked from the
-    # generators' fork server where the roles are forked (Cluster.heldout), else in a thread of this driver
+    # the built-in task's held-out accuracy before RL, computed while the roles start: by a task forked from learner
+    # rank 0's fork server where the roles are forked (Cluster.heldout), else in a thread of this driver
     remote_eval = builtin and forks_roles(cfg)
     start_eval: Beside | TaskResult | None = (Beside(heldout_accuracy, model_path, cfg)
                                                if builtin and not remote_eval else None)

@@ -102,7 +102,7 @@ def build_llama_bpe(out_dir: Path, settings: dict[str, int] | None = None) -> Pa
 def prepare_llama_bpe(cache_root: Path) -> Path:
     """The model of :data:`SETTINGS` under ``cache_root/llama-bpe-<hash>/`` (the tiny model's cache root), built
     once: in a temporary directory renamed into place, under a file lock (concurrent callers build once)."""
-    from async_rlhf.tiny.sft import _file_lock
+    from async_rlhf.tiny.cache import file_lock
 
     digest = hashlib.sha256(json.dumps(SETTINGS, sort_keys=True).encode()).hexdigest()[:12]
     cache_root = Path(cache_root)
@@ -110,7 +110,7 @@ def prepare_llama_bpe(cache_root: Path) -> Path:
     if (final / "llama_bpe_info.json").is_file():
         return final
     cache_root.mkdir(parents=True, exist_ok=True)
-    with _file_lock(cache_root / f".llama-bpe-{digest}.lock"):
+    with file_lock(cache_root / f".llama-bpe-{digest}.lock"):
         if (final / "llama_bpe_info.json").is_file():
             return final
         staging = Path(tempfile.mkdtemp(prefix=f".llama-bpe-{digest}-", dir=cache_root))

@@ -12,16 +12,17 @@ from pathlib import Path
 import torch
 from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
+from async_rlhf.tiny.cache import (  # the architecture lives beside the cache key it is part of
+    HIDDEN_SIZE,
+    INTERMEDIATE_SIZE,
+    MAX_POSITIONS,
+    NUM_HEADS,
+    NUM_KV_HEADS,
+    NUM_LAYERS,
+)
 from async_rlhf.tiny.tokenizer import build_tokenizer, save_tokenizer
 
 logger = logging.getLogger(__name__)
-
-HIDDEN_SIZE = 128
-NUM_LAYERS = 2
-NUM_HEADS = 4
-NUM_KV_HEADS = 2
-INTERMEDIATE_SIZE = 512
-MAX_POSITIONS = 64
 
 
 def tiny_config(vocab_size: int, pad_id: int, bos_id: int, eos_id: int) -> Qwen2Config:

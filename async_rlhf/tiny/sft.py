@@ -11,8 +11,6 @@ reaches 0.6-0.7 within 25 steps and 0.75-0.97 by step 300.
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import json
 import logging
 import os
@@ -31,19 +29,15 @@ from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokeni
 from async_rlhf.config import TaskConfig
 from async_rlhf.env.arithmetic import AdditionTask, Problem, score_completion
 from async_rlhf.env.longtail import LongTailTask
-from async_rlhf.tiny import model as tiny_model
+from async_rlhf.tiny.cache import INFO_FILE, SFT_BATCH_SIZE, SFT_LR, file_lock, policy_dir, tiny_settings
 from async_rlhf.tiny.model import build_tiny_model
 from async_rlhf.tiny.tokenizer import load_tokenizer, save_tokenizer
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
 """Bump when the model, tokenizer, task format or SFT recipe changes: it invalidates cached warm starts."""
-SFT_BATCH_SIZE = 64
-SFT_LR = 2e-3
 SFT_FORGET_CARRY = 0.65
 """Default share of SFT targets from the sloppy, carry-forgetting teacher (``TaskConfig.sft_forget_carry``)."""
-INFO_FILE = "tiny_info.json"
 SFT_STATS_FILE = "sft_stats.json"
 
 
@@ -259,45 +253,6 @@ def greedy_accuracy(
     return correct / len(problems)
 
 
-def _forget_carry(task_cfg: TaskConfig) -> float:
-    return float(task_cfg.sft_forget_carry)
-
-
-def tiny_settings(task_cfg: TaskConfig, seed: int = 0) -> dict[str, Any]:
-    """Everything the cached warm start depends on; its hash names the cache directory."""
-    return {
-        "format_version": FORMAT_VERSION,
-        "task": task_cfg.name,
-        "digits": task_cfg.digits,
-        "heldout_size": task_cfg.heldout_size,
-        "sft_steps": task_cfg.sft_steps,
-        "sft_batch_size": SFT_BATCH_SIZE,
-        "sft_lr": SFT_LR,
-        "sft_forget_carry": _forget_carry(task_cfg),
-        "seed": seed,
-        "arch": [
-            tiny_model.HIDDEN_SIZE, tiny_model.NUM_LAYERS, tiny_model.NUM_HEADS, tiny_model.NUM_KV_HEADS,
-            tiny_model.INTERMEDIATE_SIZE, tiny_model.MAX_POSITIONS,
-        ],
-    }
-
-
-@contextlib.contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
-    """Exclusive advisory lock, so concurrent callers (e.g. several actors on one host) build once."""
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover - not POSIX: the atomic rename alone keeps the cache consistent
-        yield
-        return
-    with open(path, "a+") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
 def prepare_tiny_policy(cache_root: Path, task_cfg: TaskConfig, seed: int = 0) -> Path:
     """Build the tiny model and its SFT warm start once; later calls with the same settings return at once.
 
@@ -310,13 +265,13 @@ def prepare_tiny_policy(cache_root: Path, task_cfg: TaskConfig, seed: int = 0) -
     if task_cfg.name not in ("addition", "longtail"):
         raise ValueError(f"the tiny policy is built for the addition and longtail tasks, not {task_cfg.name!r}")
     settings = tiny_settings(task_cfg, seed)
-    digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
-    cache_root = Path(cache_root)
-    final = cache_root / f"tiny-{digest}"
+    final = policy_dir(cache_root, task_cfg, seed)
+    digest = final.name.removeprefix("tiny-")
     if (final / INFO_FILE).exists():
         return final
+    cache_root = Path(cache_root)
     cache_root.mkdir(parents=True, exist_ok=True)
-    with _file_lock(cache_root / f".tiny-{digest}.lock"):
+    with file_lock(cache_root / f".tiny-{digest}.lock"):
         if (final / INFO_FILE).exists():
             return final
         logger.info(

@@ -42,7 +42,7 @@ def main() -> None:
     import ray
 
     from async_rlhf.config import load_config
-    from async_rlhf.driver.cluster import Cluster, heldout_accuracy, resolve_model
+    from async_rlhf.driver.cluster import Cluster, resolve_model
     from async_rlhf.driver.runner import train
 
     run_dir = Path(args.run_dir)
@@ -50,8 +50,7 @@ def main() -> None:
     cfg = load_config(None, [f"run.dir={run_dir}", "generators=2", "learners=2", "generator.eval_every=0",
                              "run.log_every_s=5", *args.overrides])
     model = resolve_model(cfg, ROOT / "runs" / "cache")
-    start = heldout_accuracy(model, cfg)
-    cluster = Cluster(cfg, model, args.address)
+    cluster = Cluster(cfg, model, args.address, heldout=True)  # evaluated as the launcher does (Cluster.heldout)
     if args.nodes_out:
         placed = {role: [n["node"] for n in found] for role, found in cluster.nodes.items()}
         Path(args.nodes_out).write_text(json.dumps(placed))
@@ -64,10 +63,11 @@ def main() -> None:
                   "generator_versions": [s["version"] for s in figures["generator_stats"]],
                   "fleet": figures["fleet"],
                   "policy": policy, "sequences": SEQUENCES, "vllm_logprobs": logprobs,
-                  "driver_node": ray.util.get_node_ip_address()}
+                  "driver_node": ray.util.get_node_ip_address(),
+                  "accuracy_start": ray.get(cluster.heldout_start)[0],
+                  "accuracy_end": ray.get(cluster.heldout(policy))[0]}
     finally:
         cluster.shutdown()
-    result.update({"accuracy_start": start, "accuracy_end": heldout_accuracy(policy, cfg)})
     Path(args.out).write_text(json.dumps(result))
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -11,6 +13,7 @@ import torch
 
 from async_rlhf.config import TaskConfig
 from async_rlhf.env.arithmetic import AdditionTask, Problem
+from async_rlhf.tiny.cache import cached_policy, policy_dir
 from async_rlhf.tiny.model import build_tiny_model, tiny_config
 from async_rlhf.tiny.sft import generate_batch, greedy_accuracy, prepare_tiny_policy, read_tiny_info
 from async_rlhf.tiny.tokenizer import CHARACTERS, build_tokenizer, load_tokenizer
@@ -237,6 +240,8 @@ def test_prepare_tiny_policy_caches(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     assert prepare_tiny_policy(tmp_path, cfg, seed=0) == path
     assert builds == [], "a cached policy was built again"
     assert (path / "model.safetensors").stat().st_mtime_ns == stamp
+    assert cached_policy(tmp_path, cfg, seed=0) == path == policy_dir(tmp_path, cfg, seed=0)
+    assert cached_policy(tmp_path, TaskConfig(digits=2, heldout_size=50, sft_steps=4), seed=0) is None
     other = prepare_tiny_policy(tmp_path, TaskConfig(digits=2, heldout_size=50, sft_steps=4), seed=0)
     assert len(builds) == 1, "other settings must build their own policy"
     assert other != path
@@ -255,3 +260,20 @@ def test_cli_build_and_sft(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     assert out == [str(tmp_path / "base"), str(tmp_path / "sft")]
     stats = json.loads((tmp_path / "sft" / "sft_stats.json").read_text())
     assert 0.0 <= stats["heldout_greedy_accuracy"] <= 1.0
+
+
+def test_a_cached_policy_is_found_without_importing_torch_or_transformers(tmp_path: Path) -> None:
+    """The launcher resolves the demo's policy before it starts Ray: a cache hit must not pay the builder's
+    imports (8 CPU-s on 2 cores)."""
+    cfg = TaskConfig(digits=2, heldout_size=50, sft_steps=3)
+    built = policy_dir(tmp_path, cfg, seed=0)
+    built.mkdir()
+    (built / "tiny_info.json").write_text("{}")
+    code = ("import sys; from pathlib import Path; from async_rlhf.config import load_config; "
+            "from async_rlhf.driver.cluster import resolve_model; "
+            "cfg = load_config(None, ['task.digits=2', 'task.heldout_size=50', 'task.sft_steps=3']); "
+            f"print(resolve_model(cfg, Path({str(tmp_path)!r}))); "
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [str(built), "[]"], out.stdout
