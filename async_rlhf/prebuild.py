@@ -16,8 +16,9 @@ What a first run used to build inside its start-up, on the cores the roles were 
                               when run from the same directory): ~50 s on 2 cores, inside a first run's start
 
 Triton writes nothing on CPU (vLLM disables it without its CPU backend), and vLLM's eager engine compiles
-nothing (generator.enforce_eager=auto is on for the CPU engine). A learner rank still finding an op unbuilt
-builds it, and says so on the start-up progress line (phase ``building op shm_comm``).
+nothing (generator.enforce_eager=auto is on for the CPU engine, and the generator forces the torch.compile its
+sampler still asked for to run eagerly: ``engine_args.eager_compile_stance``). A learner rank still finding an op
+unbuilt builds it, and says so on the start-up progress line (phase ``building op shm_comm``).
 """
 
 from __future__ import annotations

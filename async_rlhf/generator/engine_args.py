@@ -70,6 +70,20 @@ def engine_kwargs(cfg: Any) -> dict[str, Any]:
     return out
 
 
+def eager_compile_stance(engine: dict[str, Any], on_gpu: bool) -> str | None:
+    """The ``torch.compiler.set_stance`` an engine process takes before it builds its engine: ``"force_eager"``
+    for an eager CPU engine (``engine``: :func:`engine_kwargs`), else None (vLLM's own choice).
+
+    An eager engine still compiled: vLLM 0.32 wraps its sampler's log-prob rank count
+    (``vllm.v1.sample.ops.logprobs.batched_count_greater_than``) in ``torch.compile``, so the first request that
+    asks for log-probs (every rollout does) ran dynamo and inductor, a C++ build into
+    ``TORCHINDUCTOR_CACHE_DIR`` (``/tmp/torchinductor_<user>``): 8 CPU-s on 2 cores in a fresh machine's first
+    run, twice (static shapes, then dynamic ones), and 0.6 CPU-s of tracing in every later engine process even
+    with the kernels cached. Forced eager, the count runs as plain torch ops (the same values; its inputs are
+    a batch's log-probs over the vocabulary, small on CPU) and that request costs 0.03 CPU-s."""
+    return "force_eager" if engine.get("enforce_eager") and not on_gpu else None
+
+
 def kv_cache_bytes(gib: float) -> int:
     return int(gib * (1 << 30))
 

@@ -1,6 +1,8 @@
 """Nothing is compiled at run time: after the set-up's build step (the line of scripts/setup_env.sh that runs
 ``async_rlhf.prebuild``), a 1-learner job started with every build cache pointed at those fresh directories
-writes nothing there: DeepSpeed's shm_comm op is loaded, not built, and vLLM derives no model info.
+writes nothing there: DeepSpeed's shm_comm op is loaded, not built, vLLM derives no model info, and torch.compile
+builds no kernel (vLLM's sampler compiled one with inductor into /tmp at the first request for log-probs until the
+generator forced it eager: ``engine_args.eager_compile_stance``; this test did not look there before).
 
 A first run used to JIT-build the op inside learner rank 0's start-up (4 min beside starting vLLM engines on
 2 cores) and missed the rendezvous deadline; CI never saw it because the op stayed in the home directory.
@@ -21,8 +23,10 @@ from jobs import LAUNCH, ROOT
 
 pytestmark = pytest.mark.integration
 
-CACHES = ("TORCH_EXTENSIONS_DIR", "VLLM_CACHE_ROOT", "TRITON_CACHE_DIR", "MPLCONFIGDIR", "XDG_CACHE_HOME")
-"""Every directory a first run could build into (XDG_CACHE_HOME: anything else under ~/.cache)."""
+CACHES = ("TORCH_EXTENSIONS_DIR", "VLLM_CACHE_ROOT", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "MPLCONFIGDIR",
+          "XDG_CACHE_HOME")
+"""Every directory a first run could build into (XDG_CACHE_HOME: anything else under ~/.cache;
+TORCHINDUCTOR_CACHE_DIR: what torch.compile builds, under /tmp by default)."""
 
 
 def setup_build_step() -> list[str]:

@@ -123,3 +123,16 @@ def test_stamps_are_exact_under_a_lagged_engine(lag: int) -> None:
 def test_kv_block_size_is_vllms_default_unless_set() -> None:
     assert "block_size" not in engine_kwargs(load_config(None, []))
     assert engine_kwargs(load_config(None, ["generator.kv_block_size=32"]))["block_size"] == 32
+
+
+def test_an_eager_cpu_engine_runs_vllms_compiled_helpers_eagerly_too() -> None:
+    """vLLM compiles its sampler's log-prob rank count with inductor even in an eager engine; a CPU generator
+    forces it eager (nothing built at run time), a GPU engine or one asked to compile keeps vLLM's choice."""
+    from async_rlhf.generator.engine_args import eager_compile_stance
+
+    cpu = engine_kwargs(load_config())
+    assert eager_compile_stance(cpu, on_gpu=False) == "force_eager"
+    gpu_cfg = load_config(None, ["resources.generator_gpus=1", "resources.learner_gpus=1"])
+    assert eager_compile_stance(engine_kwargs(gpu_cfg), on_gpu=True) is None
+    compiled = engine_kwargs(load_config(None, ["generator.enforce_eager=off"]))
+    assert eager_compile_stance(compiled, on_gpu=False) is None
