@@ -59,14 +59,11 @@ def engine_process(model_dir: str, port: int, layout: list, engine: dict[str, An
     """The engine process's body (a process target): ``engine`` are ``vllm.LLM``'s keyword arguments."""
     os.environ.update({**BASE_ENV, **(env or {})})
     try:
-        import torch
         from vllm import LLM, SamplingParams
 
-        from async_rlhf.generator.engine_args import eager_compile_stance
+        from async_rlhf.generator.engine_args import apply_compile_stance
 
-        stance = eager_compile_stance(engine, on_gpu=False)  # as a generator takes it
-        if stance:
-            torch.compiler.set_stance(stance)
+        apply_compile_stance(engine, on_gpu=False)  # as a CPU generator does
         llm = LLM(model=model_dir, seed=0, worker_extension_cls=EXTENSION,
                   **engine)
         llm.collective_rpc("init_receiver", args=(HOST, port, "gen0", layout, sync_backend, timeout_s,

@@ -162,11 +162,9 @@ def start_early_fork_servers(cfg: Config, address: str | None = None) -> Any:
     their imports overlap the driver's model and Ray's start; ``Cluster`` names them once Ray is up. None where
     the driver joins a Ray (its nodes' servers are theirs) or the roles are not forked."""
     ray = sys.modules.get("ray")
-    if joined_address(address) or (ray is not None and ray.is_initialized()):
+    if joined_address(address) or (ray is not None and ray.is_initialized()) or not forks_roles(cfg):
         return None
     envs = [generator_env(cfg, ROLE_ENV), learner_env(cfg, ROLE_ENV)]
-    if "py_executable" not in envs[0]:
-        return None
     from async_rlhf.startup.forkserver import EarlyServers
 
     return EarlyServers([e["env_vars"] for e in envs])
@@ -177,8 +175,8 @@ class Cluster:
 
     def __init__(self, cfg: Config, model_path: str, address: str | None = None, early: Any = None,
                  heldout: bool = False) -> None:
-        """``heldout``: start :meth:`heldout` of ``model_path`` as soon as the placement is made, beside the rest of
-        the start-up (its ref is :attr:`heldout_start`)."""
+        """``heldout``: start :meth:`heldout` of ``model_path`` once the node check passed, beside the rest of the
+        start-up (its ref is :attr:`heldout_start`)."""
         import ray
 
         from async_rlhf.buffer.actor import BufferActor
@@ -220,10 +218,10 @@ class Cluster:
             self._prestart_fork_servers(early)
         t = self._driver_phase("ray start", t0)
         self.groups = self._placement_groups()
-        self.heldout_start = self.heldout(model_path) if heldout else None
         t = self._driver_phase("placement", t)
         self.nodes = self._probe_nodes()
         t = self._driver_phase("node checks", t)
+        self.heldout_start = self.heldout(model_path) if heldout else None
         buffer_cfg, restarts = cfg, 0
         if cfg.buffer.store == "redis" and cfg.run.buffer_max_restarts:
             # a restarted actor binds the same address (its clients reconnect to it): choose the port now, one

@@ -259,9 +259,10 @@ def learner_fractions(learners: list[dict[str, Any]]) -> dict[str, float]:
 
 class Beside:
     """``fn(*args)`` on a daemon thread, beside what the caller does meanwhile; :meth:`result` waits for it and
-    raises what it raised. Where the roles are not forked (GPU runs), the driver's held-out evaluation (a
-    transformers forward of a small held-out set) runs so beside the roles' start-up and beside the shutdown; a
-    run that forks its roles evaluates in a task forked from learner rank 0's server instead (``Cluster.heldout``).
+    raises what it raised. On a run that does not fork its roles (GPU runs, ``run.fork_workers=false``), the
+    driver's held-out evaluation (a transformers forward of a small held-out set) runs so beside the roles'
+    start-up and beside the shutdown; a run that forks its roles evaluates in a task forked from learner rank 0's
+    server instead (``Cluster.heldout``).
     A daemon: a run that fails to start does not wait for it."""
 
     def __init__(self, fn: Any, *args: Any) -> None:
@@ -290,16 +291,22 @@ class Beside:
 
 
 class TaskResult:
-    """A ref of ``timed_heldout_accuracy`` (``Cluster.heldout``) with :class:`Beside`'s interface."""
+    """A ref of ``timed_heldout_accuracy`` (``Cluster.heldout``) with :class:`Beside`'s interface; a failed task
+    raises what failed in it (the first line of Ray's own error names only the task)."""
 
     def __init__(self, ref: Any) -> None:
         self.ref = ref
         self.seconds = 0.0
 
-    def result(self) -> Any:
+    def result(self) -> float:
         import ray
 
-        value, self.seconds = ray.get(self.ref)
+        try:
+            value, self.seconds = ray.get(self.ref)
+        except ray.exceptions.RayError as exc:
+            cause = getattr(exc, "cause", None) or exc
+            raise RuntimeError(f"the held-out evaluation on learner rank 0's node failed: "
+                               f"{type(cause).__name__}: {cause}") from exc
         return value
 
 
@@ -339,7 +346,8 @@ def run(cfg: Config, address: str | None = None, cache_root: Path = Path("runs/c
     start_acc = end_acc = None
     model_s = time.time() - t0
     # the built-in task's held-out accuracy before RL, computed while the roles start: by a task forked from learner
-    # rank 0's fork server where the roles are forked (Cluster.heldout), else in a thread of this driver
+    # rank 0's fork server where the roles are forked (Cluster.heldout, submitted once the node check passed), else
+    # in a thread of this driver
     remote_eval = builtin and forks_roles(cfg)
     start_eval: Beside | TaskResult | None = (Beside(heldout_accuracy, model_path, cfg)
                                                if builtin and not remote_eval else None)
@@ -374,13 +382,17 @@ def run(cfg: Config, address: str | None = None, cache_root: Path = Path("runs/c
             print(f"policy {model_path}: {eval_text(eval_start)} on {cfg.prompts.eval_path} before RL", flush=True)
         figures = train(cfg, cluster, run_dir, resume=resume, stop=stop)
         policy_dir = cluster.save_policy(run_dir / "policy")
+        end_task = TaskResult(cluster.heldout(policy_dir)) if remote_eval else None  # beside eval_figures
         try:
             eval_end = eval_figures(policy_dir, cfg)
         except Exception as exc:  # noqa: BLE001 - the run is done: its summary is still written, without it
             eval_end = None
             log.warning("the held-out evaluation of the final policy failed: %s: %s", type(exc).__name__, exc)
-        if remote_eval:  # its worker ends with the run's actors: waited for before the shutdown
-            end_acc = TaskResult(cluster.heldout(policy_dir)).result()
+        if end_task is not None:  # its worker ends with the run's actors: waited for before the shutdown
+            try:
+                end_acc = end_task.result()
+            except RuntimeError as exc:  # the run is done: its summary is still written, without the figure
+                log.warning("%s", exc)
         end_eval = Beside(heldout_accuracy, policy_dir, cfg) if builtin and not remote_eval else None
     finally:
         cluster.shutdown()
@@ -420,7 +432,8 @@ def run(cfg: Config, address: str | None = None, cache_root: Path = Path("runs/c
         "policy_dir": policy_dir,
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    held = [f"held-out greedy accuracy {start_acc:.3f} -> {end_acc:.3f}"] if builtin else []
+    held = [f"held-out greedy accuracy {start_acc:.3f} -> "
+            f"{'(failed)' if end_acc is None else format(end_acc, '.3f')}"] if builtin else []
     if eval_start and eval_end:
         acc = (f", accuracy {eval_start['accuracy']:.3f} -> {eval_end['accuracy']:.3f}"
                if "accuracy" in eval_start and "accuracy" in eval_end else "")

@@ -64,7 +64,12 @@ class GeneratorActor(LoopPhases):
         from vllm.sampling_params import RequestOutputKind
 
         from async_rlhf.endpoints import bind_gloo_to_node
-        from async_rlhf.generator.engine_args import VersionClock, eager_compile_stance, engine_kwargs, engine_lag
+        from async_rlhf.generator.engine_args import (
+            VersionClock,
+            apply_compile_stance,
+            engine_kwargs,
+            engine_lag,
+        )
         from async_rlhf.prompts.chat import ChatRenderer
         from async_rlhf.tokenizer import load_tokenizer, stop_token_ids
 
@@ -73,11 +78,7 @@ class GeneratorActor(LoopPhases):
         self.cfg = cfg
         self.buffer_address = buffer_address
         engine = engine_kwargs(cfg)  # per-device defaults; in-flight updates turn async scheduling off
-        stance = eager_compile_stance(engine, cfg.resources.generator_gpus > 0)
-        if stance:
-            import torch
-
-            torch.compiler.set_stance(stance)  # nothing compiled at run time (eager_compile_stance says why)
+        apply_compile_stance(engine, cfg.resources.generator_gpus > 0)  # nothing compiled at run time
         startup.phase(phases.ENGINE)  # the model load is inside
         self.llm = LLM(
             model=model_path,

@@ -84,6 +84,16 @@ def eager_compile_stance(engine: dict[str, Any], on_gpu: bool) -> str | None:
     return "force_eager" if engine.get("enforce_eager") and not on_gpu else None
 
 
+def apply_compile_stance(engine: dict[str, Any], on_gpu: bool) -> None:
+    """Take :func:`eager_compile_stance` in this process (torch's stance is process-wide: every thread, every
+    ``torch.compile`` here; the CPU engine runs in its generator's own process, and nothing else there compiles)."""
+    stance = eager_compile_stance(engine, on_gpu)
+    if stance:
+        import torch
+
+        torch.compiler.set_stance(stance)
+
+
 def kv_cache_bytes(gib: float) -> int:
     return int(gib * (1 << 30))
 

@@ -499,9 +499,10 @@ def freeze_heap() -> None:
     builds an engine (model load, KV cache, the freeze of its own heap), and each pass walked the ~680 thousand
     objects the imports of torch, transformers, vLLM and DeepSpeed leave (0.4 CPU-s a pass here): building the
     tiny engine took 2.0 CPU-s, 0.8 with the heap frozen. A collection's walk also writes each object's GC
-    header, so it copied the server's pages into every child; frozen, they stay shared (the pattern
-    ``gc.freeze``'s documentation gives for a process that forks without exec). Garbage of the imports is
-    collected first, so nothing is kept that would not have been."""
+    header, so it copied the server's pages into every child; frozen, they stay shared (as ``gc.freeze``'s
+    documentation advises for a process that forks without exec; it also advises not collecting first, so that no
+    freed holes are refilled and copied: here the imports' garbage is collected once, before any child exists,
+    so nothing is kept that would not have been)."""
     import gc
 
     gc.collect()

@@ -26,6 +26,7 @@ MAX_POSITIONS = 64
 """The tiny Qwen2's architecture (``async_rlhf.tiny.model.tiny_config``)."""
 
 FORMAT_VERSION = 1
+"""Bump when the model, tokenizer, task format or SFT recipe changes: it invalidates cached warm starts."""
 SFT_BATCH_SIZE = 64
 SFT_LR = 2e-3
 INFO_FILE = "tiny_info.json"

@@ -29,13 +29,20 @@ from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokeni
 from async_rlhf.config import TaskConfig
 from async_rlhf.env.arithmetic import AdditionTask, Problem, score_completion
 from async_rlhf.env.longtail import LongTailTask
-from async_rlhf.tiny.cache import INFO_FILE, SFT_BATCH_SIZE, SFT_LR, file_lock, policy_dir, tiny_settings
+from async_rlhf.tiny.cache import (
+    INFO_FILE,
+    SFT_BATCH_SIZE,
+    SFT_LR,
+    cached_policy,
+    file_lock,
+    tiny_settings,
+)
+from async_rlhf.tiny.cache import policy_dir as cache_dir_of  # read_tiny_info's argument is named policy_dir
 from async_rlhf.tiny.model import build_tiny_model
 from async_rlhf.tiny.tokenizer import load_tokenizer, save_tokenizer
 
 logger = logging.getLogger(__name__)
 
-"""Bump when the model, tokenizer, task format or SFT recipe changes: it invalidates cached warm starts."""
 SFT_FORGET_CARRY = 0.65
 """Default share of SFT targets from the sloppy, carry-forgetting teacher (``TaskConfig.sft_forget_carry``)."""
 SFT_STATS_FILE = "sft_stats.json"
@@ -264,11 +271,12 @@ def prepare_tiny_policy(cache_root: Path, task_cfg: TaskConfig, seed: int = 0) -
     """
     if task_cfg.name not in ("addition", "longtail"):
         raise ValueError(f"the tiny policy is built for the addition and longtail tasks, not {task_cfg.name!r}")
+    cached = cached_policy(cache_root, task_cfg, seed)
+    if cached is not None:
+        return cached
     settings = tiny_settings(task_cfg, seed)
-    final = policy_dir(cache_root, task_cfg, seed)
+    final = cache_dir_of(cache_root, task_cfg, seed)
     digest = final.name.removeprefix("tiny-")
-    if (final / INFO_FILE).exists():
-        return final
     cache_root = Path(cache_root)
     cache_root.mkdir(parents=True, exist_ok=True)
     with file_lock(cache_root / f".tiny-{digest}.lock"):
