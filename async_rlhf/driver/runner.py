@@ -304,10 +304,15 @@ class TaskResult:
         try:
             value, self.seconds = ray.get(self.ref)
         except ray.exceptions.RayError as exc:
-            cause = getattr(exc, "cause", None) or exc
-            raise RuntimeError(f"the held-out evaluation on learner rank 0's node failed: "
-                               f"{type(cause).__name__}: {cause}") from exc
+            raise heldout_task_failure(exc) from exc
         return value
+
+
+def heldout_task_failure(exc: BaseException) -> RuntimeError:
+    """What a failed held-out task raises: the error in the task (Ray's error carries it as ``cause``), named with
+    where it ran."""
+    cause = getattr(exc, "cause", None) or exc
+    return RuntimeError(f"the held-out evaluation on learner rank 0's node failed: {type(cause).__name__}: {cause}")
 
 
 def run(cfg: Config, address: str | None = None, cache_root: Path = Path("runs/cache"),

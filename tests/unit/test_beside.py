@@ -42,23 +42,17 @@ def test_the_thread_does_not_keep_a_failed_run_alive() -> None:
     assert beside._thread.daemon
 
 
-def test_a_held_out_task_hands_back_its_figure_or_what_failed_in_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    """runner.TaskResult: the accuracy and the task's seconds; a failed task raises its cause, not Ray's first line
+
+def test_a_failed_held_out_task_raises_what_failed_in_it() -> None:
+    """runner.TaskResult raises ``heldout_task_failure`` of Ray's error: the task's cause, not Ray's first line
     (``ray::timed_heldout_accuracy() (pid=...)``), which is all the launcher's one-line error would show."""
-    import ray
+    from async_rlhf.driver.runner import heldout_task_failure
 
-    from async_rlhf.driver.runner import TaskResult
-
-    monkeypatch.setattr(ray, "get", lambda ref: (0.5, 1.25))
-    task = TaskResult(object())
-    assert task.result() == 0.5 and task.seconds == 1.25
-
-    class Failed(ray.exceptions.RayError):
+    class TaskError(Exception):  # as Ray's task error carries the task's own exception
         cause = FileNotFoundError("no file named config.json in /m")
 
-    def failing_get(ref: object) -> None:
-        raise Failed("ray::timed_heldout_accuracy() (pid=1, ip=10.0.0.2)")
-
-    monkeypatch.setattr(ray, "get", failing_get)
-    with pytest.raises(RuntimeError, match="rank 0's node failed: FileNotFoundError: no file named config.json"):
-        TaskResult(object()).result()
+    err = heldout_task_failure(TaskError("ray::timed_heldout_accuracy() (pid=1, ip=10.0.0.2)"))
+    assert str(err) == ("the held-out evaluation on learner rank 0's node failed: FileNotFoundError: no file named "
+                        "config.json in /m")
+    lost = heldout_task_failure(ValueError("the node died"))  # no cause: the error itself
+    assert str(lost).endswith("failed: ValueError: the node died")
