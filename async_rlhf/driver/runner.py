@@ -308,6 +308,16 @@ class TaskResult:
         return value
 
 
+def final_figure(fn: Any) -> Any:
+    """``fn()``, a held-out figure of the final policy, or None with a warning if it failed: the run is done, its
+    summary is still written, without the figure."""
+    try:
+        return fn()
+    except Exception as exc:  # noqa: BLE001 - see the docstring
+        log.warning("the held-out evaluation of the final policy failed: %s: %s", type(exc).__name__, exc)
+        return None
+
+
 def heldout_task_failure(exc: BaseException) -> RuntimeError:
     """What a failed held-out task raises: the error in the task (Ray's error carries it as ``cause``), named with
     where it ran."""
@@ -388,21 +398,15 @@ def run(cfg: Config, address: str | None = None, cache_root: Path = Path("runs/c
         figures = train(cfg, cluster, run_dir, resume=resume, stop=stop)
         policy_dir = cluster.save_policy(run_dir / "policy")
         end_task = TaskResult(cluster.heldout(policy_dir)) if remote_eval else None  # beside eval_figures
-        try:
-            eval_end = eval_figures(policy_dir, cfg)
-        except Exception as exc:  # noqa: BLE001 - the run is done: its summary is still written, without it
-            eval_end = None
-            log.warning("the held-out evaluation of the final policy failed: %s: %s", type(exc).__name__, exc)
-        if end_task is not None:  # its worker ends with the run's actors: waited for before the shutdown
-            try:
-                end_acc = end_task.result()
-            except RuntimeError as exc:  # the run is done: its summary is still written, without the figure
-                log.warning("%s", exc)
-        end_eval = Beside(heldout_accuracy, policy_dir, cfg) if builtin and not remote_eval else None
+        eval_end = final_figure(lambda: eval_figures(policy_dir, cfg))
+        # the task's worker ends with the run's actors: waited for before the shutdown; the driver's own thread
+        # runs beside the shutdown
+        end_acc = final_figure(end_task.result) if end_task is not None else None
+        end_thread = Beside(heldout_accuracy, policy_dir, cfg) if builtin and not remote_eval else None
     finally:
         cluster.shutdown()
-    if end_eval is not None:  # beside the shutdown
-        end_acc = end_eval.result()
+    if end_thread is not None:
+        end_acc = final_figure(end_thread.result)
     from async_rlhf.plots import plot_learning_curve
 
     curve = [{"version": e["version"], "accuracy": e.get("accuracy", e.get("reward_mean", 0.0))}

@@ -29,15 +29,8 @@ from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokeni
 from async_rlhf.config import TaskConfig
 from async_rlhf.env.arithmetic import AdditionTask, Problem, score_completion
 from async_rlhf.env.longtail import LongTailTask
-from async_rlhf.tiny.cache import (
-    INFO_FILE,
-    SFT_BATCH_SIZE,
-    SFT_LR,
-    cached_policy,
-    file_lock,
-    tiny_settings,
-)
-from async_rlhf.tiny.cache import policy_dir as cache_dir_of  # read_tiny_info's argument is named policy_dir
+from async_rlhf.tiny import cache
+from async_rlhf.tiny.cache import INFO_FILE, SFT_BATCH_SIZE, SFT_LR
 from async_rlhf.tiny.model import build_tiny_model
 from async_rlhf.tiny.tokenizer import load_tokenizer, save_tokenizer
 
@@ -271,15 +264,13 @@ def prepare_tiny_policy(cache_root: Path, task_cfg: TaskConfig, seed: int = 0) -
     """
     if task_cfg.name not in ("addition", "longtail"):
         raise ValueError(f"the tiny policy is built for the addition and longtail tasks, not {task_cfg.name!r}")
-    cached = cached_policy(cache_root, task_cfg, seed)
-    if cached is not None:
-        return cached
-    settings = tiny_settings(task_cfg, seed)
-    final = cache_dir_of(cache_root, task_cfg, seed)
-    digest = final.name.removeprefix("tiny-")
+    final = cache.policy_dir(cache_root, task_cfg, seed)  # cache_root/tiny-<digest>
+    if (final / INFO_FILE).exists():
+        return final
+    settings = cache.tiny_settings(task_cfg, seed)
     cache_root = Path(cache_root)
     cache_root.mkdir(parents=True, exist_ok=True)
-    with file_lock(cache_root / f".tiny-{digest}.lock"):
+    with cache.file_lock(cache_root / f".{final.name}.lock"):
         if (final / INFO_FILE).exists():
             return final
         logger.info(
@@ -287,7 +278,7 @@ def prepare_tiny_policy(cache_root: Path, task_cfg: TaskConfig, seed: int = 0) -
             final, task_cfg.sft_steps, settings["sft_forget_carry"],
         )
         t0 = time.perf_counter()
-        staging = Path(tempfile.mkdtemp(prefix=f".tiny-{digest}-", dir=cache_root))
+        staging = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=cache_root))
         try:
             # The canonical held-out split (task seed 0) whatever ``seed`` is: the run evaluates on it.
             task = (LongTailTask(heldout_size=task_cfg.heldout_size) if task_cfg.name == "longtail"

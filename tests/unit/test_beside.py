@@ -56,3 +56,19 @@ def test_a_failed_held_out_task_raises_what_failed_in_it() -> None:
                         "config.json in /m")
     lost = heldout_task_failure(ValueError("the node died"))  # no cause: the error itself
     assert str(lost).endswith("failed: ValueError: the node died")
+
+
+def test_a_failed_final_figure_is_none_with_a_warning_and_a_good_one_comes_back(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """runner.final_figure: the run is done when the final policy is evaluated; a failing evaluation (either way
+    it runs) must not cost the summary, and says what failed."""
+    from async_rlhf.driver.runner import final_figure
+
+    assert final_figure(lambda: 0.75) == 0.75
+
+    def broken() -> float:
+        raise OSError("policy/model.safetensors: no such file")
+
+    with caplog.at_level("WARNING"):
+        assert final_figure(broken) is None
+    assert "final policy failed: OSError: policy/model.safetensors: no such file" in caplog.text
