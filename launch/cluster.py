@@ -194,6 +194,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(format_nodes(assign_to_nodes(plan, nodes)))
                 print("plan (JSON): " + json.dumps(plan.to_dict()))
                 return 0
+        from async_rlhf.driver.run_lock import hold_run_dir
+
+        lock = hold_run_dir(cfg.run.dir)  # one driver per run directory: a second is refused here, naming the first
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -201,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     from async_rlhf.driver.runner import run
 
     try:
-        run(cfg, address=args.address, resume=args.checkpoint, stop=stop_on_signals())
+        run(cfg, address=args.address, resume=args.checkpoint, stop=stop_on_signals(), lock=lock)
     except Exception as exc:  # a role failed mid-run: the job has stopped its actors; say how to go on
         from async_rlhf.driver.checkpoints import list_checkpoints
         from async_rlhf.driver.cluster import NodeSetupError

@@ -30,6 +30,7 @@ from async_rlhf.checkpoint_layout import (
     staging_dir,
 )
 from async_rlhf.config import ConfigError
+from async_rlhf.driver.run_lock import LOCK_NAME
 
 
 def list_checkpoints(run_dir: str | Path) -> list[Path]:
@@ -82,7 +83,7 @@ def check_run_dir(run_dir: str | Path, resume: bool, overwrite: bool) -> None:
         return
     if not p.is_dir():
         raise ConfigError(f"run.dir {p} is a file; give a new or empty directory (--run-dir)")
-    if not any(p.iterdir()):
+    if not any(child.name != LOCK_NAME for child in p.iterdir()):  # (a driver's lock: run_lock.py)
         return
     if not (p / "config.json").is_file():
         raise ConfigError(f"run.dir {p} is not empty and holds no previous run (no config.json); give a new or "
@@ -98,10 +99,32 @@ def clear_run_dir(run_dir: str | Path) -> None:
     if not (p / "config.json").is_file():
         return
     for child in p.iterdir():
+        if child.name == LOCK_NAME:  # held by this driver (run_lock.py): deleting it would free the directory
+            continue
         if child.is_dir() and not child.is_symlink():
             shutil.rmtree(child)
         else:
             child.unlink()
+
+
+def set_aside_newer(ckpt: str | Path) -> list[Path]:
+    """A resume from a checkpoint older than the run's newest (a rollback): move the newer committed checkpoints,
+    an abandoned branch, into ``checkpoints/abandoned-<time>/`` (nothing is deleted). Afterwards the newest
+    checkpoint is the one resumed from, so ``--resume RUN_DIR``, the failure hint and pruning follow the branch
+    that trains now. Returns the moved directories (at their new place)."""
+    ckpt = Path(ckpt).resolve()
+    run_dir = run_dir_of(ckpt)
+    step = int(ckpt.name[len(PREFIX):])
+    newer = [p for p in list_checkpoints(run_dir) if int(p.name[len(PREFIX):]) > step]
+    if not newer:
+        return []
+    aside = checkpoints_dir(run_dir) / f"abandoned-{time.strftime('%Y%m%d-%H%M%S')}-from-{checkpoint_name(step)}"
+    aside.mkdir(parents=True, exist_ok=True)
+    moved = []
+    for p in newer:
+        p.rename(aside / p.name)
+        moved.append(aside / p.name)
+    return moved
 
 
 def read_manifest(ckpt: str | Path) -> dict[str, Any]:

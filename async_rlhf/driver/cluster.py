@@ -174,9 +174,10 @@ class Cluster:
     """Handles to the started roles (the integration tests inspect them after a run)."""
 
     def __init__(self, cfg: Config, model_path: str, address: str | None = None, early: Any = None,
-                 heldout: bool = False) -> None:
+                 heldout: bool = False, reference_path: str | None = None) -> None:
         """``heldout``: start :meth:`heldout` of ``model_path`` once the node check passed, beside the rest of the
-        start-up (its ref is :attr:`heldout_start`)."""
+        start-up (its ref is :attr:`heldout_start`); ``reference_path``: the learners' frozen reference, the
+        model the run first started from (default ``model_path``; a resumed run's policy is never it)."""
         import ray
 
         from async_rlhf.buffer.actor import BufferActor
@@ -191,6 +192,7 @@ class Cluster:
         self.cfg = cfg
         self.core_claim: Any = None
         self.model_path = model_path
+        self.reference_path = reference_path or model_path
         self.plan = plan_placement(cfg)
         res = cfg.resources
         address = joined_address(address)
@@ -323,7 +325,8 @@ class Cluster:
         def args(bundles: list[tuple[str, int]]) -> tuple[str, str, tuple[str, ...]]:
             # the run directory matters where learners run (their checkpoints go there)
             learners = any(role == "learners" for role, _ in bundles)
-            return str(run_dir) if learners else "", token, (self.model_path,)
+            models = (self.model_path, self.reference_path) if learners else (self.model_path,)
+            return str(run_dir) if learners else "", token, tuple(dict.fromkeys(models))
 
         bundles = [(r.role, i) for r in self.plan.roles for i in range(r.count)]
         if self.own_ray:  # every bundle is on this host, in workers of the raylet this process started (its
@@ -370,7 +373,8 @@ class Cluster:
                 "runtime_env": self.learner_env()}
         for attempt in range(attempts):
             self.learners = [learner_cls.options(**opts, scheduling_strategy=self._in_group("learners", r)).remote(
-                r, cfg.learners, cfg, model_path, *self.master, self.buffer_address) for r in range(cfg.learners)]
+                r, cfg.learners, cfg, model_path, *self.master, self.buffer_address, self.reference_path)
+                for r in range(cfg.learners)]
             for r in range(cfg.learners):
                 self.startup.add(f"learner rank {r}", "learners", self.nodes["learners"][r]["node"])
             self.startup.set_rendezvous(*self.master)
@@ -454,6 +458,13 @@ class Cluster:
         import ray
 
         ray.get(handle.init_weight_sync.remote(self.push_host, self.push_port, member_id, self.layout, late=True))
+
+    @property
+    def reference_sha256(self) -> str | None:
+        """The digest of the frozen reference weights learner rank 0 loaded (None without a reference)."""
+        import ray
+
+        return ray.get(self.learners[0].reference_sha256.remote())
 
     def save_policy(self, out_dir: str | Path) -> str:
         """The policy as a Hugging Face directory, written by rank 0; every rank takes part (under ZeRO-3 the

@@ -326,18 +326,34 @@ def heldout_task_failure(exc: BaseException) -> RuntimeError:
 
 
 def run(cfg: Config, address: str | None = None, cache_root: Path = Path("runs/cache"),
-        resume: Path | None = None, stop: threading.Event | None = None) -> dict[str, Any]:
+        resume: Path | None = None, stop: threading.Event | None = None, lock: Any = None) -> dict[str, Any]:
     """Everything ``launch/cluster.py`` does after validation; returns the summary it writes.
 
     ``resume``: a committed checkpoint (``async_rlhf.driver.checkpoints.resolve_resume``) to continue from;
-    ``stop``: set to end the run early (the launcher's SIGINT/SIGTERM handler), with a checkpoint and summary.
+    ``stop``: set to end the run early (the launcher's SIGINT/SIGTERM handler), with a checkpoint and summary;
+    ``lock``: the run directory's lock the caller already holds (:func:`async_rlhf.driver.run_lock.hold_run_dir`),
+    else this call takes it, and releases it at its end.
     """
     from async_rlhf.config import make_paths_absolute
-    from async_rlhf.driver.checkpoints import check_run_dir, clear_run_dir
+    from async_rlhf.driver.run_lock import hold_run_dir
+
+    make_paths_absolute(cfg)  # the learners write checkpoints here from their own working directories
+    own_lock = lock is None
+    lock = hold_run_dir(cfg.run.dir) if own_lock else lock  # before anything in the directory changes
+    try:
+        return _run_locked(cfg, address, cache_root, resume, stop)
+    finally:
+        if own_lock:
+            lock.release()
+
+
+def _run_locked(cfg: Config, address: str | None, cache_root: Path, resume: Path | None,
+                stop: threading.Event | None) -> dict[str, Any]:
+    from async_rlhf.driver.checkpoints import check_run_dir, clear_run_dir, set_aside_newer
+    from async_rlhf.driver.reference import check_reference, read_reference, write_reference
     from async_rlhf.driver.stopping import catch_stop_signals
     from async_rlhf.evaluation import BUILTIN_HELDOUT, eval_figures, eval_summary, eval_text
 
-    make_paths_absolute(cfg)  # the learners write checkpoints here from their own working directories
     run_dir = Path(cfg.run.dir)
     cache_root = cache_root.resolve()
     check_run_dir(run_dir, resume is not None, cfg.run.overwrite)  # (the launcher refused it already)
@@ -347,7 +363,12 @@ def run(cfg: Config, address: str | None = None, cache_root: Path = Path("runs/c
     (run_dir / "config.json").write_text(cfg.to_json())
     t0 = time.time()
     early = start_early_fork_servers(cfg, address)  # their imports overlap the model's resolution and Ray's start
+    recorded = read_reference(run_dir) if resume is not None else None
     if resume is not None:
+        moved = set_aside_newer(resume)
+        if moved:  # a rollback: the newer checkpoints are an abandoned branch, kept aside
+            print(f"resuming from {resume.name}, older than the run's newest: {', '.join(p.name for p in moved)} "
+                  f"moved to {moved[0].parent} (nothing deleted)", flush=True)
         # a copy: pruning deletes old checkpoints, and restarted actors (and save_hf's tokenizer files) still
         # read the directory they started from
         import shutil
@@ -355,8 +376,12 @@ def run(cfg: Config, address: str | None = None, cache_root: Path = Path("runs/c
         model_path = str(run_dir / "resumed_policy")
         shutil.rmtree(model_path, ignore_errors=True)
         shutil.copytree(resume / "policy", model_path)
+        # the frozen reference (KL anchor, DPO's reference) stays the model the run started from, never the
+        # checkpoint's policy
+        reference_path = recorded["path"] if recorded else resolve_model(cfg, cache_root)
     else:
         model_path = resolve_model(cfg, cache_root)
+        reference_path = model_path
     builtin = cfg.task.name in BUILTIN_HELDOUT
     start_acc = end_acc = None
     model_s = time.time() - t0
@@ -370,7 +395,7 @@ def run(cfg: Config, address: str | None = None, cache_root: Path = Path("runs/c
         print(f"task.name={cfg.task.name} has no held-out set of its own: no held-out figure is reported; give "
               "one with prompts.eval_path=FILE (JSONL or Parquet, scored by rewards.sources)", flush=True)
     try:
-        cluster = Cluster(cfg, model_path, address, early, heldout=remote_eval)
+        cluster = Cluster(cfg, model_path, address, early, heldout=remote_eval, reference_path=reference_path)
         if remote_eval:
             start_eval = TaskResult(cluster.heldout_start)
     finally:
@@ -381,6 +406,11 @@ def run(cfg: Config, address: str | None = None, cache_root: Path = Path("runs/c
     if stop is not None:
         catch_stop_signals(stop)  # ray.init replaced the SIGTERM handler
     try:
+        reference_sha256 = cluster.reference_sha256
+        if recorded is not None:
+            check_reference(recorded, reference_path, reference_sha256)  # the same weights, or refused
+        else:
+            write_reference(run_dir, reference_path, reference_sha256)
         if start_eval is not None:
             start_acc = start_eval.result()
             # not a phase of its own: it ran beside the others (the seconds it kept the driver waiting are in
@@ -439,6 +469,9 @@ def run(cfg: Config, address: str | None = None, cache_root: Path = Path("runs/c
         "stop_reason": figures["stop_reason"],
         "final_version": records[-1]["version"] if records else 0,
         "policy_dir": policy_dir,
+        # the frozen reference the learner loaded (null without one) and where this run resumed from
+        "reference_sha256": reference_sha256,
+        "resumed_from": str(resume) if resume is not None else None,
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     held = [f"held-out greedy accuracy {start_acc:.3f} -> "

@@ -45,7 +45,9 @@ COMPUTE = ("collate", "forward_backward", "optimizer")
 
 class LearnerActor:
     def __init__(self, rank: int, world_size: int, cfg: Config, model_path: str, master_addr: str,
-                 master_port: int, buffer_address: str) -> None:
+                 master_port: int, buffer_address: str, reference_path: str | None = None) -> None:
+        """``model_path``: the policy to start from (a resumed run's checkpoint policy); ``reference_path``: the
+        frozen reference (KL, DPO), the model the run first started from (default: ``model_path``)."""
         from async_rlhf.startup import phases
         from async_rlhf.startup.reporter import StartupReporter
 
@@ -77,7 +79,11 @@ class LearnerActor:
         self.buffer_address = buffer_address
         dtype = getattr(torch, cfg.model.dtype)
         startup.phase(phases.MODEL)
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+        reference_path = reference_path or model_path
+        # LoRA trains adapters on a frozen base that is the reference: it is built from the reference (a resumed
+        # policy is a merged export; the checkpoint then restores the adapters)
+        model = AutoModelForCausalLM.from_pretrained(reference_path if cfg.train.lora.enabled else model_path,
+                                                     dtype=dtype)
         model.config.use_cache = False
         if cfg.learner.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -113,8 +119,14 @@ class LearnerActor:
                 self.ref_model = AdapterOff(self.engine.module)
         elif (cfg.train.objective.kl_coef > 0 or algorithm == "online_dpo"
                 or (algorithm == "ppo" and cfg.train.ppo.kl_coef > 0)):
-            self.ref_model = self.placer.module(AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval())
+            self.ref_model = self.placer.module(AutoModelForCausalLM.from_pretrained(reference_path,
+                                                                                     dtype=dtype).eval())
             self.ref_model.requires_grad_(False)
+        self._reference_sha256: str | None = None
+        if self.ref_model is not None and rank == 0:  # what summary.json and every resume's check compare
+            from async_rlhf.learner.weights_digest import weights_sha256
+
+            self._reference_sha256 = weights_sha256(getattr(self.ref_model, "model", self.ref_model))
         self.ppo: Any = None  # critic engine + reward models, beside the actor on this rank
         if algorithm == "ppo":
             from async_rlhf.learner.ppo import PPOTrainer
@@ -136,6 +148,10 @@ class LearnerActor:
 
     def ready(self) -> int:
         return self.rank
+
+    def reference_sha256(self) -> str | None:
+        """The digest of the frozen reference's weights this rank loaded (rank 0; None without a reference)."""
+        return self._reference_sha256
 
     # -- weight push (rank 0) ----------------------------------------------------------------
     def weight_layout(self) -> list[dict[str, Any]]:
