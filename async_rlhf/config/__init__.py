@@ -7,6 +7,7 @@ files plus ``key=value`` overrides.
     rules.py     checks that span keys, and validate()
     checks.py    reward, algorithm, environment and path checks
     loading.py   YAML files and key=value overrides -> a validated Config
+    secrets.py   the keys holding secrets: masked in config.json, given again from the environment on resume
 
 This module imports no torch, ray or vllm: the launcher validates a configuration (and refuses bad
 input with one clear line) before anything heavy starts.

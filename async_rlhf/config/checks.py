@@ -7,6 +7,7 @@ from pathlib import Path
 
 from async_rlhf.config.errors import ConfigError
 from async_rlhf.config.roles import Config
+from async_rlhf.config.secrets import mask_url
 
 
 def parse_reward_models(spec: str) -> list[tuple[str, float]]:
@@ -136,7 +137,7 @@ def check_env(cfg: Config) -> None:
         raise ConfigError(f"rewards.model_path={r.model_path} is not a Hugging Face model directory (no config.json);"
                           " train one with python -m async_rlhf.offline.reward_model")
     if r.http_url and not r.http_url.startswith(("http://", "https://")):
-        raise ConfigError(f"rewards.http_url={r.http_url!r} must start with http:// or https://")
+        raise ConfigError(f"rewards.http_url={mask_url(r.http_url)!r} must start with http:// or https://")
     if cfg.task.name == "custom" and p.source == "task":
         raise ConfigError("task.name=custom has no prompts of its own: set prompts.source to file, python or redis")
     if p.source in ("file", "python") and not p.path:

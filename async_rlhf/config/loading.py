@@ -13,6 +13,7 @@ from async_rlhf.config.checks import parse_reward_models
 from async_rlhf.config.errors import ConfigError
 from async_rlhf.config.roles import Config
 from async_rlhf.config.rules import validate
+from async_rlhf.config.secrets import fill_secrets
 
 
 def _set_nested(obj: Any, dotted: str, raw: Any, origin: str) -> None:
@@ -102,6 +103,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         key, _, raw = item.partition("=")
         value = yaml.safe_load(raw) if raw else ""
         _set_nested(cfg, key.strip(), value, "command line")
+    fill_secrets(cfg)  # what a run's config.json left out, from the environment (a resume)
     return validate(cfg)
 
 

@@ -238,4 +238,8 @@ class Config(Section):
     """Learner ranks (one DeepSpeed engine each)."""
 
     def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+        """The configuration as ``run.dir/config.json`` holds it: without secrets (``secrets.public_dict``: URL
+        passwords masked, CURVE secret keys left out; a resume gets them from the command line or environment)."""
+        from async_rlhf.config.secrets import public_dict
+
+        return json.dumps(public_dict(self.to_dict()), indent=2, sort_keys=True)

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from async_rlhf.config.checks import check_algorithm, check_env, check_lora
+from async_rlhf.config.checks import check_algorithm, check_env, check_lora, parse_reward_sources
 from async_rlhf.config.errors import ConfigError
 from async_rlhf.config.fields import check_fields
 from async_rlhf.config.roles import Config
+from async_rlhf.config.secrets import SECRET_ENV, is_masked, mask_url, masked_error
 from async_rlhf.config.sections import TrainConfig
 
 
@@ -50,7 +51,10 @@ def validate(cfg: Config) -> Config:
                             b.curve_client_secret_key, b.curve_client_public_key)):
         raise ConfigError("buffer.curve=true needs curve_secret_key, curve_public_key, curve_client_keys, "
                           "curve_client_secret_key and curve_client_public_key (make them with "
-                          "python -m async_rlhf.buffer keygen)")
+                          "python -m async_rlhf.buffer keygen); a run's config.json never holds the two secret "
+                          f"keys: on --resume give them again, or set {SECRET_ENV['buffer.curve_secret_key']} and "
+                          f"{SECRET_ENV['buffer.curve_client_secret_key']}")
+    _check_masked(cfg)
     if b.store == "redis":
         _check_redis_url(b.redis_url)
     if cfg.learner.zero_stage > 3:
@@ -107,11 +111,21 @@ def _check_redis_url(url: str) -> None:
 
     parsed = urlparse(url)
     if parsed.scheme not in ("redis", "rediss", "unix"):
-        raise ConfigError(f"buffer.redis_url={url!r}: expected redis://[:password@]host:port/db, rediss://... "
-                          "or unix://path")
+        raise ConfigError(f"buffer.redis_url={mask_url(url)!r}: expected redis://[:password@]host:port/db, "
+                          "rediss://... or unix://path")
     if parsed.scheme != "unix" and parsed.hostname not in ("127.0.0.1", "localhost", "::1") and not parsed.password:
         raise ConfigError(f"buffer.redis_url points at {parsed.hostname}, beyond this machine, without a password: "
                           "use redis://:PASSWORD@host:port/db (and requirepass on the server)")
+
+
+def _check_masked(cfg: Config) -> None:
+    """A URL the run uses whose password is still config.json's ``***`` (a resume given neither the URL nor its
+    password): refused, saying where to give it."""
+    in_use = {"buffer.redis_url": cfg.buffer.store == "redis", "prompts.redis_url": cfg.prompts.source == "redis",
+              "rewards.http_url": "http" in {n for n, _ in parse_reward_sources(cfg.rewards.sources)}}
+    for key, used in in_use.items():
+        if used and is_masked(_get(cfg, key)):
+            raise ConfigError(masked_error(key))
 
 
 def push_min_gbps(cfg: Config) -> float:
