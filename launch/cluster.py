@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         trace = Path(cfg.run.dir) / "error.log"  # the whole traceback, for whoever debugs it
         trace.parent.mkdir(parents=True, exist_ok=True)
         trace.write_text(traceback.format_exc())
-        if not isinstance(exc, (ConfigError, LearnerFailure, NodeSetupError, RunFailure)):  # explained by the line below
+        if not isinstance(exc, (ConfigError, LearnerFailure, NodeSetupError, RunFailure)):  # the line below says it
             logging.getLogger("launch").exception("the run failed")
         done = list_checkpoints(cfg.run.dir)
         hint = f"resume with --resume {done[-1]}" if done else "no checkpoint was written (run.checkpoint_every)"
