@@ -6,7 +6,9 @@
     learner rank            ~0.6 GB (DeepSpeed, torch, the actor)    + policy state: weights, gradients, AdamW's
                             two fp32 moments (+ fp32 master weights under bf16/fp16), the parts ZeRO shards
                             divided by the ranks; + the frozen reference (KL, DPO) and PPO's critic (its own
-                            weights and optimizer)
+                            weights and optimizer); + the activations of one training forward (see
+                            :func:`activation_bytes`: the tokens of one micro-batch x layers x hidden x bytes x
+                            a factor, and the logits)
     fixed                   ~1.0 GB: Ray's processes, the driver, the buffer actor
 
 Measured here (tiny model, 0.3 M parameters): a CPU generator ~1.9 GB resident with 1 GiB of KV cache, a learner
@@ -18,6 +20,7 @@ before anything starts, naming the largest one that fits.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,6 +45,83 @@ def model_parameters(path: str | Path) -> int:
         conf = json.loads(cfg.read_text())
         stored = str(conf.get("torch_dtype") or conf.get("dtype") or "float32")
     return size // DTYPE_BYTES.get(stored, 4)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What a model's activations scale with, from its ``config.json``."""
+
+    layers: int
+    hidden: int
+    intermediate: int
+    vocab: int
+
+
+def model_shape(path: str | Path) -> ModelShape | None:
+    """The shape of a Hugging Face model directory (None without a readable ``config.json`` saying it)."""
+    cfg = Path(path) / "config.json"
+    try:
+        conf = json.loads(cfg.read_text())
+    except (OSError, ValueError):
+        return None
+    conf = conf.get("text_config", conf)  # a multimodal config keeps its language model's shape there
+    try:
+        hidden = int(conf["hidden_size"])
+        return ModelShape(int(conf["num_hidden_layers"]), hidden, int(conf.get("intermediate_size") or 4 * hidden),
+                          int(conf["vocab_size"]))
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def layer_factor(shape: ModelShape) -> float:
+    """Values a decoder layer keeps for backward per token, in units of ``hidden`` (Llama/Qwen layers: RMSNorm,
+    attention, a SwiGLU MLP).
+
+    Counting the tensors autograd saves per token: the two RMSNorms' inputs and outputs (4 h; the residual
+    stream between them is the next norm's input), q, k and v (at most 3 h; fewer with grouped KV heads), q and
+    k after the rotary embedding (2 h), and the attention output (h: sdpa keeps its inputs, its output and a
+    logsumexp per head, never the [s, s] scores): 10 h. The MLP keeps its gate and up projections, SiLU(gate)
+    and that times up (4 x intermediate). So ``10 + 4 * intermediate / hidden``: 20.8 for Llama-2-7B
+    (intermediate 2.69 h), 31.7 for Qwen2-0.5B (5.43 h), 26 for a 4 h MLP. For comparison, Korthikanti et al.
+    2022 ("Reducing Activation Recomputation in Large Transformer Models") count 34 bytes per hidden unit per
+    token for a GPT layer in 16-bit with a GeLU MLP of 4 h and dropout, about 17 values (plus 5 a s / h for
+    materialised attention scores, which sdpa does not keep); a SwiGLU MLP keeps two more intermediate-sized
+    tensors, and the rotary embedding two more. It errs high where tensors share storage, as this plan does
+    everywhere (an eager RMSNorm in 16-bit keeps float32 copies, which errs the other way).
+    """
+    return 10.0 + 4.0 * shape.intermediate / shape.hidden
+
+
+def forward_tokens(cfg: Config, learners: int) -> int:
+    """The most tokens one learner forward holds: ``learner.max_tokens_per_micro_batch`` (a row longer than it
+    gets a forward of its own: at least ``model.max_model_len``), or without a budget one minibatch of the rank's
+    rows (``train.batch_size / learners`` groups of ``train.group_size``, in ``train.minibatches``), each as long
+    as ``model.max_model_len`` at most; never more than that minibatch."""
+    rows = cfg.train.batch_size // max(learners, 1) * cfg.train.group_size
+    whole = math.ceil(rows / max(cfg.train.minibatches, 1)) * cfg.model.max_model_len
+    budget = cfg.learner.max_tokens_per_micro_batch
+    return whole if budget <= 0 else min(whole, max(budget, cfg.model.max_model_len))
+
+
+def activation_bytes(cfg: Config, shape: ModelShape, learners: int) -> float:
+    """Bytes of the activations of one training forward and its backward (the learner's peak beside its state).
+
+    Per token: ``layers x hidden x dtype bytes x`` :func:`layer_factor` for the decoder layers (with
+    ``learner.gradient_checkpointing``: each layer's input only, plus one layer recomputed in full during
+    backward), and the logits: ``vocab x`` (2 x dtype bytes: the logits and their gradient, + 8 without
+    ``learner.logprob_chunk_tokens``: the float32 copy and its log-softmax, built whole). The forwards run one
+    after another (policy, then the critic, whose body is no larger, and the no-grad reference and reward
+    models, which keep nothing), so the peak is one of them: the policy's, with its logits.
+    """
+    tokens = forward_tokens(cfg, learners)
+    nbytes = DTYPE_BYTES.get(cfg.model.dtype, 4)
+    per_layer = shape.hidden * nbytes * layer_factor(shape)
+    if cfg.learner.gradient_checkpointing:
+        layers = shape.layers * shape.hidden * nbytes + per_layer
+    else:
+        layers = shape.layers * per_layer
+    logits = shape.vocab * (2 * nbytes + (0 if cfg.learner.logprob_chunk_tokens > 0 else 8))
+    return tokens * (layers + logits)
 
 
 @dataclass(frozen=True)
@@ -76,8 +156,9 @@ class MemoryPlan:
 
 
 def estimate_memory(cfg: Config, params: int, generators: int | None = None,
-                    learners: int | None = None) -> MemoryPlan:
-    """The memory plan of ``cfg`` (sizes default to the config's) for a policy of ``params`` parameters."""
+                    learners: int | None = None, shape: ModelShape | None = None) -> MemoryPlan:
+    """The memory plan of ``cfg`` (sizes default to the config's) for a policy of ``params`` parameters and, when
+    known, ``shape`` (its activations: :func:`activation_bytes`; without it they are not counted)."""
     g = cfg.generators if generators is None else generators
     m = cfg.learners if learners is None else learners
     gen = cfg.generator
@@ -100,7 +181,8 @@ def estimate_memory(cfg: Config, params: int, generators: int | None = None,
         ref = params * wbytes if (cfg.train.objective.kl_coef > 0 or cfg.train.algorithm == "online_dpo"
                                   or (cfg.train.algorithm == "ppo" and cfg.train.ppo.kl_coef > 0)) else 0
         critic = params * per_param if cfg.train.algorithm == "ppo" else 0
-        learner_gb += (trained + ref + critic) / GB
+        activations = activation_bytes(cfg, shape, m) if shape is not None else 0
+        learner_gb += (trained + ref + critic + activations) / GB
     return MemoryPlan(generator_gb, learner_gb, FIXED_GB, g, m)
 
 
@@ -126,6 +208,7 @@ def check_memory(plan: MemoryPlan, node_gb: float, where: str = "this machine") 
 
 
 def plan_for(cfg: Config) -> MemoryPlan:
-    """The memory plan for ``cfg``'s policy: ``model.path``'s size, or the tiny model's (a few MB)."""
-    params = model_parameters(cfg.model.path) if cfg.model.path else 0
-    return estimate_memory(cfg, params)
+    """The memory plan for ``cfg``'s policy: ``model.path``'s size and shape, or the tiny model's (a few MB)."""
+    if not cfg.model.path:
+        return estimate_memory(cfg, 0)
+    return estimate_memory(cfg, model_parameters(cfg.model.path), shape=model_shape(cfg.model.path))

@@ -66,3 +66,45 @@ def test_an_unplaced_group_names_the_role_the_bundle_and_what_the_cluster_offers
                            nodes={"10.0.0.1": {"CPU": 16.0}})
     assert "learners placement group" in msg and "8 bundle(s) of {CPU: 1}" in msg and "pack" in msg
     assert "CPU 0 free of 16" in msg and "node 10.0.0.1: CPU 16" in msg
+
+
+LLAMA_7B = {"num_hidden_layers": 32, "hidden_size": 4096, "intermediate_size": 11008, "vocab_size": 32000,
+            "torch_dtype": "bfloat16"}
+
+
+def test_learner_activations_scale_with_the_token_budget_and_the_model_shape(tmp_path: Path) -> None:
+    """Issue 44, defect 8: the plan counts one training forward's activations, per token layers x hidden x bytes x
+    layer_factor plus the logits, for the tokens of one micro-batch (the budget) or of the whole minibatch."""
+    from async_rlhf.driver.memory_plan import activation_bytes, layer_factor, model_shape, plan_for
+
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_7B))
+    (tmp_path / "model.safetensors").write_bytes(b"\0" * 2000)
+    shape = model_shape(tmp_path)
+    assert shape is not None and (shape.layers, shape.hidden, shape.vocab) == (32, 4096, 32000)
+    assert layer_factor(shape) == pytest.approx(10 + 4 * 11008 / 4096)  # 20.75
+    base = ["model.dtype=bfloat16", "model.max_model_len=2048", "train.batch_size=16", "train.group_size=8"]
+    budget = load_config(None, [*base, "learner.max_tokens_per_micro_batch=4096"])
+    # 4096 tokens x (32 layers x 4096 x 2 bytes x 20.75 + 32000 x (2 x 2 + 8) bytes of logits)
+    hand = 4096 * (32 * 4096 * 2 * 20.75 + 32000 * 12)
+    assert activation_bytes(budget, shape, learners=1) == pytest.approx(hand)
+    assert hand / 1e9 == pytest.approx(23.85, abs=0.01)
+    half = load_config(None, [*base, "learner.max_tokens_per_micro_batch=2048"])
+    assert activation_bytes(half, shape, 1) == pytest.approx(hand / 2)
+    # a budget below one row's length: that row is forwarded alone (model.max_model_len tokens)
+    tiny_budget = load_config(None, [*base, "learner.max_tokens_per_micro_batch=16"])
+    assert activation_bytes(tiny_budget, shape, 1) == pytest.approx(hand / 2)
+    # no budget: the whole minibatch of the rank's rows at once (16 x 8 rows / 4 ranks / 2 minibatches x 2048)
+    whole = load_config(None, [*base, "train.minibatches=2"])
+    assert activation_bytes(whole, shape, 4) == pytest.approx(hand * 16 * 8 / 4 / 2 * 2048 / 4096)
+    # gradient checkpointing keeps each layer's input and one layer's activations; chunked log-probs no fp32 copy
+    ckpt = load_config(None, [*base, "learner.max_tokens_per_micro_batch=4096", "learner.gradient_checkpointing=true",
+                              "learner.logprob_chunk_tokens=1024"])
+    assert activation_bytes(ckpt, shape, 1) == pytest.approx(4096 * (32 * 4096 * 2 + 4096 * 2 * 20.75 + 32000 * 4))
+    # the plan adds them to each learner rank (on the host; a GPU learner's live on its GPU)
+    plan = plan_for(load_config(None, [*base, "learner.max_tokens_per_micro_batch=4096", f"model.path={tmp_path}"]))
+    params = model_parameters(tmp_path)
+    state = estimate_memory(load_config(None, [*base, "learner.max_tokens_per_micro_batch=4096"]), params)
+    assert plan.learner_gb == pytest.approx(state.learner_gb + hand / 1e9)
+    gpu = plan_for(load_config(None, [*base, f"model.path={tmp_path}", "resources.learner_gpus=1"]))
+    assert gpu.learner_gb == pytest.approx(0.6)
+    assert model_shape(tmp_path / "absent") is None
