@@ -395,7 +395,7 @@ class LearnerActor:
         if self.cfg.train.algorithm == "online_dpo":
             sizes = group_sizes or [batch.input_ids.shape[0]]
             return online_dpo_update(self.engine, self.ref_model, self.cfg, batch, sizes, self._phase,
-                                     self._optimizer_step, self._max_ranks)
+                                     self._optimizer_step, self._max_ranks, self._sum_ranks, agreement)
         lc = self.cfg.learner
         # log-probs of the distribution the generators sampled from: logits / generator.temperature
         opts = ForwardOptions(lc.pack, lc.logprob_chunk_tokens, lc.max_tokens_per_micro_batch,
