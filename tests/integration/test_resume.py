@@ -39,6 +39,7 @@ from typing import Any
 
 import pytest
 from jobs import (
+    LAUNCH,
     check_metrics_continue,
     check_prompts_once,
     data_ledger,
@@ -92,6 +93,7 @@ def _learner_killed(work: Path, run_dir: Path, after_step: int) -> dict[str, Any
     try:
         wait_until(lambda: newest_checkpoint_step(run_dir) > after_step and past_last_checkpoint(run_dir),
                    "a step past a checkpoint of the resumed run", job, log)
+        second = _second_driver(work, run_dir)  # a second --resume of the directory while run 2 runs
         pids = send_control(run_dir, {"op": "pids"})
         assert pids["ok"] and set(pids["learners"]) == {"0"}, pids
         learner_pid = pids["learners"]["0"]
@@ -121,9 +123,19 @@ def _learner_killed(work: Path, run_dir: Path, after_step: int) -> dict[str, Any
     finally:
         kill_session(job.pid)
     return {"returncode": job.returncode, "output": log.read_text(), "stop_s": stop_s, "leftover": leftover,
-            "learner_pid": learner_pid, "resolved": resolve_resume(run_dir),
+            "learner_pid": learner_pid, "resolved": resolve_resume(run_dir), "driver_pid": job.pid, "second": second,
             "staged": [p.name for p in checkpoints_dir(run_dir).iterdir() if p.name.startswith(STAGING)],
             "committed": {read_manifest(c)["step"] for c in list_checkpoints(run_dir)}}
+
+
+def _second_driver(work: Path, run_dir: Path) -> dict[str, Any]:
+    """``--resume`` of the run directory while its driver runs: refused before it changes anything."""
+    before = sorted(p.name for p in checkpoints_dir(run_dir).iterdir())
+    t0 = time.monotonic()
+    done = subprocess.run([*LAUNCH, "--resume", str(run_dir), "train.steps=100000"], cwd=work, capture_output=True,
+                          text=True, timeout=120)
+    return {"returncode": done.returncode, "seconds": time.monotonic() - t0, "output": done.stdout + done.stderr,
+            "checkpoints_before": before}
 
 
 @pytest.fixture(scope="module")
@@ -217,3 +229,13 @@ def test_resume_after_the_learner_failure_continues_the_run(chain: dict[str, Any
     args = chain["run_dir"], final["manifest"], final["steps"]
     check_metrics_continue(*args, final["before"])
     check_prompts_once(*args)
+
+
+def test_a_second_driver_on_the_live_run_is_refused(chain: dict[str, Any]) -> None:
+    """Two drivers on one directory would stage, commit and prune each other's checkpoints: the second one exits
+    non-zero within 60 s with one ``error:`` line naming the live driver's pid (issue 44, defect 5)."""
+    second, driver = chain["learner"]["second"], chain["learner"]["driver_pid"]
+    assert second["returncode"] != 0 and second["seconds"] < 60, second
+    errors = [line for line in second["output"].splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and f"in use by a live run (pid {driver} " in errors[0], second["output"][-2000:]
+    assert "Traceback" not in second["output"]
