@@ -271,7 +271,7 @@ class LearnerActor:
         from async_rlhf.buffer.client import with_retry
         from async_rlhf.checkpoint_layout import staging_dir
         from async_rlhf.learner.checkpoint_trigger import CheckpointTrigger
-        from async_rlhf.learner.lease import LeaseKeeper
+        from async_rlhf.learner.lease import LeaseKeeper, take_share
         from async_rlhf.learner.objectives import correction_saturated
 
         cfg = self.cfg
@@ -292,13 +292,9 @@ class LearnerActor:
                 t0 = time.perf_counter()
                 self._step_times.clear()
                 trained_at = self.version
-                groups = []
-                with self._phase("wait_data"):
-                    while len(groups) < share:
-                        want = share - len(groups)
-                        got = with_retry(lambda: client.get(want, self.version, wait_s=2.0), "get", patience)
-                        lease.hold(g.group_id for g in got)
-                        groups += got
+                with self._phase("wait_data"):  # a group whose lease lapsed meanwhile is another learner's: left out
+                    groups, lease_lost = take_share(lambda n: with_retry(
+                        lambda: client.get(n, self.version, wait_s=2.0), "get", patience), lease, share)
                 with self._phase("collate"):
                     batch = self.collate(groups)
                 m = self._update(batch, [len(g.samples) for g in groups])
@@ -322,7 +318,7 @@ class LearnerActor:
                         "optim/lr": cfg.train.lr,
                         "rollout/reward_mean": float(batch.rewards.mean().item()),
                         "rollout/samples": len(batch.rewards), "rollout/tokens": batch.num_tokens,
-                        "rollout/observation_tokens": batch.observation_tokens,
+                        "rollout/observation_tokens": batch.observation_tokens, "buffer/lease_lost": lease_lost,
                         "staleness/mean": float(stale.float().mean().item()) if stale.numel() else 0.0,
                         "staleness/max": int(stale.max().item()) if stale.numel() else 0,
                         **m, **push,

@@ -6,6 +6,13 @@ thought, a slow optimizer step under ZeRO-3) must not lose its groups that way, 
 :class:`LeaseKeeper` renews them every quarter of the timeout, on its own thread and buffer client (a ZeroMQ
 socket is one thread's), from the moment they arrive until they are acknowledged. A learner that dies stops
 renewing, so its groups still go back after the timeout (or at once when the driver declares it dead).
+
+A renewal that comes too late (the learner's process starved, the buffer unreachable for a while) finds a group
+another learner has taken meanwhile: the buffer answers that this learner no longer holds it (``lost``). Such a
+group is never trained here: :func:`take_share` leaves it out of the step and fetches another in its place
+(counted as ``buffer/lease_lost``); the buffer has it delivered to the other learner, which trains and
+acknowledges it. One lost after the step's update began has been trained already (the renewal period is a
+quarter of the timeout, so only a learner stalled for longer than that meets it): it is logged.
 """
 
 from __future__ import annotations
@@ -13,9 +20,16 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 log = logging.getLogger(__name__)
+
+
+class HasGroupId(Protocol):
+    group_id: str
+
+
+G = TypeVar("G", bound=HasGroupId)
 
 
 class LeaseKeeper:
@@ -29,6 +43,8 @@ class LeaseKeeper:
         self.period_s = period_s
         self._held: dict[str, None] = {}
         self.lost: set[str] = set()
+        self.dropped = 0
+        """Groups :meth:`keep_held` left out so far (lost before they were trained)."""
         self.renewals = 0
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -36,25 +52,47 @@ class LeaseKeeper:
         self._thread: threading.Thread | None = None
 
     def hold(self, group_ids: Iterable[str]) -> None:
-        """These groups were just delivered to this learner: keep them until :meth:`done`."""
+        """These groups were just delivered to this learner: keep them until :meth:`done` (one lost earlier and
+        delivered here again is held anew)."""
+        ids = list(map(str, group_ids))
         with self._lock:
-            self._held.update(dict.fromkeys(map(str, group_ids)))
+            self._held.update(dict.fromkeys(ids))
+            self.lost.difference_update(ids)
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="buffer-lease", daemon=True)
             self._thread.start()
 
     def done(self, group_ids: Iterable[str] | None = None) -> None:
-        """Acknowledged (or given up): stop renewing these ids (all of them with None)."""
+        """Acknowledged (or given up): stop renewing these ids (all of them with None). One of them reported lost
+        meanwhile was trained all the same (it was lost after the step's update began): logged."""
         with self._lock:
-            if group_ids is None:
-                self._held.clear()
-            else:
-                for gid in map(str, group_ids):
-                    self._held.pop(gid, None)
+            ids = list(self._held) if group_ids is None else [str(gid) for gid in group_ids]
+            late = sorted(self.lost.intersection(ids))
+            self.lost.difference_update(ids)
+            for gid in ids:
+                self._held.pop(gid, None)
+        if late:
+            log.warning("trained %d groups whose lease was lost during the step (another learner has them too): %s",
+                        len(late), late[:5])
 
     def held(self) -> list[str]:
         with self._lock:
             return list(self._held)
+
+    def keep_held(self, groups: list[G]) -> list[G]:
+        """``groups`` without those the buffer said this learner no longer holds (:attr:`lost`): they are
+        another learner's now and must not be trained here. Those are no longer renewed and are counted in
+        :attr:`dropped`."""
+        with self._lock:
+            gone = {g.group_id for g in groups if g.group_id in self.lost}
+            for gid in gone:
+                self.lost.discard(gid)
+                self._held.pop(gid, None)
+            self.dropped += len(gone)
+        if gone:
+            log.warning("left %d groups out of this step: their lease lapsed and another learner took them (%s)",
+                        len(gone), sorted(gone)[:5])
+        return [g for g in groups if g.group_id not in gone]
 
     def _run(self) -> None:
         client = None
@@ -87,3 +125,20 @@ class LeaseKeeper:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5 * self.period_s + 5)
+
+
+def take_share(get: Callable[[int], list[G]], lease: LeaseKeeper, share: int) -> tuple[list[G], int]:
+    """A learner rank's ``share`` of groups for one step, each one still held: ``get(n)`` asks the buffer for up
+    to ``n`` more; every delivered group is held under ``lease`` at once. A group whose lease was lost while the
+    rank waited for the rest (another learner took it) is left out and another fetched in its place. Returns the
+    groups and how many were left out."""
+    groups: list[G] = []
+    dropped = 0
+    while len(groups) < share:
+        got = get(share - len(groups))
+        kept = lease.keep_held(groups)  # before holding what came: a lost group may have come back to this rank
+        dropped += len(groups) - len(kept)
+        lease.hold(g.group_id for g in got)
+        mine = {g.group_id for g in kept}
+        groups = kept + [g for g in got if g.group_id not in mine]
+    return groups, dropped

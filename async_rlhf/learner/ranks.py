@@ -17,7 +17,7 @@ def group_device() -> Any:
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
-SUMMED = ("rollout/samples", "rollout/tokens", "rollout/observation_tokens")
+SUMMED = ("rollout/samples", "rollout/tokens", "rollout/observation_tokens", "buffer/lease_lost")
 AVERAGED = ("rollout/reward_mean", "staleness/mean", "optim/loss", "rollout/task_reward_mean", "rollout/rm_score_mean")
 MAXED = ("staleness/max",)
 

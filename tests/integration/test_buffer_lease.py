@@ -100,3 +100,51 @@ def test_a_lapsed_lease_comes_back_to_its_learner_unless_another_took_the_group(
     finally:
         for c in (gen, a, b):
             c.close()
+
+
+def test_a_group_whose_lease_was_lost_is_left_out_of_the_step_and_replaced(svc: BufferService) -> None:
+    """Issue 44, item 12: learner A's renewals come late (its keeper renews every two visibility timeouts, a
+    starved process) while it waits for the rest of its share; learner B takes g0 meanwhile. A's step leaves g0
+    out and trains a replacement (``take_share``, the learner's wait for data), so every group is trained once:
+    g0 by B, the others by A. Without it A trained g0 too, and its ack made B's a duplicate (the defect)."""
+    from async_rlhf.learner.lease import take_share
+
+    gen = BufferClient(svc.address, timeout_s=5.0)
+    a = BufferClient(svc.address, timeout_s=5.0, consumer="learner-0")
+    b = BufferClient(svc.address, timeout_s=5.0, consumer="learner-1")
+    lease = LeaseKeeper(lambda: BufferClient(svc.address, timeout_s=5.0, consumer="learner-0"), VISIBILITY_S * 2)
+    stolen: list[str] = []
+    calls = 0
+
+    def get(n: int) -> list[Group]:
+        """A's gets: g0 and g1 first; then (after B took g0 and A's late renewal learnt it) one new group each."""
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            assert gen.admit(2)[0] == 2 and gen.put_many([make_group("g0"), make_group("g1")])
+            return a.get(2, version=0, wait_s=2.0)
+        if calls == 2:
+            deadline = time.monotonic() + 10.0
+            while not stolen and time.monotonic() < deadline:  # B is hungry while A waits for the rest
+                stolen.extend(g.group_id for g in b.get(1, version=0, wait_s=0.2))
+            b.ack(stolen)  # B trains it at once
+            while lease.renewals < 1 and time.monotonic() < deadline:
+                time.sleep(0.05)
+        gid = f"g{calls}"
+        assert gen.admit(1)[0] == 1 and gen.put_many([make_group(gid)])
+        return a.get(1, version=0, wait_s=2.0)
+
+    try:
+        groups, left_out = take_share(get, lease, 3)
+        trained = [g.group_id for g in groups]
+        lease.done()
+        a.ack(trained)
+    finally:
+        lease.close()
+        for c in (gen, a, b):
+            c.close()
+    assert stolen == ["g0"] and lease.lost == set()
+    assert sorted(trained) == ["g1", "g2", "g3"] and left_out == 1 and lease.dropped == 1
+    stats = svc.call(lambda: svc.logic.stats(ledger=True))
+    assert stats["ledger"]["trained"] == ["g0", "g1", "g2", "g3"]
+    assert stats.get("buffer/duplicate_ack", 0) == 0 and stats.get("buffer/lease_reclaimed", 0) == 1

@@ -42,3 +42,27 @@ def test_groups_acknowledged_while_a_renewal_runs_are_not_reported_lost() -> Non
         keeper.close()
     assert keeper.lost == {"b"}, "an acknowledged group is not lost; one another learner took is"
     assert "a" not in keeper.held()
+
+
+def test_take_share_leaves_out_lost_groups_and_fetches_others() -> None:
+    """Issue 44, item 12: a group the buffer reported lost (another learner took it) while the rank waited for the
+    rest of its share is not trained here; one lost and then delivered to this rank again is held anew, once."""
+    from types import SimpleNamespace
+
+    from async_rlhf.learner.lease import take_share
+
+    keeper = LeaseKeeper(lambda: None, period_s=60.0)  # no renewal runs: the test says what was lost
+    deliveries = iter([["a", "b"], ["c"], ["b", "d"]])
+
+    def get(n: int) -> list:
+        ids = next(deliveries)
+        if ids == ["c"]:
+            keeper.lost.update({"a", "b"})  # the late renewal's answer, while the rank waited for more
+        return [SimpleNamespace(group_id=gid) for gid in ids]
+
+    try:
+        groups, left_out = take_share(get, keeper, 3)
+    finally:
+        keeper.close()
+    assert [g.group_id for g in groups] == ["c", "b", "d"] and left_out == 2
+    assert keeper.dropped == 2 and keeper.lost == set() and sorted(keeper.held()) == ["b", "c", "d"]
