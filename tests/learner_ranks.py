@@ -1,7 +1,7 @@
 """Real LearnerActor ranks in spawned processes (DeepSpeed over gloo; no Ray, no buffer) for the distributed tier:
 each scenario builds a LearnerActor per rank, runs one ``_update`` of the rank's own input and reports every
-optimizer step's full gradient, what its no-grad policy forwards returned, the advantages it trained on, and the
-metrics.
+optimizer step's full gradient (and PPO's critic's), what its no-grad policy forwards returned, the advantages it
+trained on, and the metrics.
 
 The rank processes are kept for a module's scenarios (``LearnerRanks``, one set of processes per world size):
 spawning a rank and importing torch, DeepSpeed and transformers cost seconds, building its LearnerActor a
@@ -46,7 +46,7 @@ def _scenario(rank: int, world: int, port: int, model_dir: str, overrides: list[
     cfg = load_config(None, [f"model.path={model_dir}", f"learners={world}", "train.batch_size=2",
                              "train.lr=1e-3", *overrides])
     actor = LearnerActor(rank, world, cfg, model_dir, "127.0.0.1", port, "")
-    report: dict[str, Any] = {"grads": [], "prox": [], "advantages": None}
+    report: dict[str, Any] = {"grads": [], "prox": [], "advantages": None, "critic_grads": []}
     step = actor._optimizer_step
     no_grad = microbatch.logprobs_no_grad
 
@@ -66,6 +66,15 @@ def _scenario(rank: int, world: int, port: int, model_dir: str, overrides: list[
     try:
         if actor.ppo is not None:
             prepare = actor.ppo.prepare
+            critic = actor.ppo.critic.engine
+            critic_step = critic.step
+
+            def read_critic_then_step() -> None:  # the critic's full gradient too (collective, as the policy's)
+                report["critic_grads"].append({name: safe_get_full_grad(p).numpy().copy()
+                                               for name, p in critic.module.named_parameters()})
+                critic_step()
+
+            critic.step = read_critic_then_step
 
             def prepared(*args, **kwargs):
                 targets = prepare(*args, **kwargs)
