@@ -15,8 +15,10 @@ class BufferActor:
     def address(self) -> str:
         return self.service.address
 
-    def stats(self, ledger: bool = False) -> dict[str, Any]:
-        return self.service.call(self.service.logic.stats, ledger)
+    def stats(self, ledger: bool = False, ledger_of: dict[int, tuple[int, list[int]]] | None = None) -> dict[str, Any]:
+        """See ``BufferLogic.stats`` (``ledger_of``: the driver's open ledger, ``PromptLedger.windows``)."""
+        windows = None if ledger_of is None else {int(g): (int(p), frozenset(s)) for g, (p, s) in ledger_of.items()}
+        return self.service.call(self.service.logic.stats, ledger, windows)
 
     def drop_held(self, reason: str) -> int:
         return self.service.call(self.service.logic.drop_held, reason)

@@ -20,7 +20,7 @@ import socket
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, TypeVar
 
 import msgpack
@@ -29,6 +29,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from async_rlhf.buffer.curve import CurveClientKeys, secure_client
 from async_rlhf.buffer.frames import as_frames, frames_as_buffers, unpack_sizes
+from async_rlhf.prompt_window import encode_windows
 from async_rlhf.retry import retry
 from async_rlhf.types import Group
 from async_rlhf.wire import decode, encode
@@ -352,8 +353,11 @@ class BufferClient:
     def set_version(self, version: int) -> None:
         self.request("set_version", version=version)
 
-    def stats(self, ledger: bool = False, timeout_s: float | None = None) -> dict[str, Any]:
-        r = self.request("stats", timeout_s=timeout_s, ledger=ledger)
+    def stats(self, ledger: bool = False, timeout_s: float | None = None,
+              ledger_of: Mapping[int, tuple[int, Iterable[int]]] | None = None) -> dict[str, Any]:
+        """Counters; ``ledger``: group ids by state, only those open in ``ledger_of`` (``prompt_window``) if given."""
+        extra = {} if ledger_of is None else {"ledger_of": encode_windows(ledger_of)}
+        r = self.request("stats", timeout_s=timeout_s, ledger=ledger, **extra)
         return {k: v for k, v in r.items() if k not in ("schema", "kind", "req_id", "parts")}
 
 

@@ -21,6 +21,7 @@ from async_rlhf.buffer.envelope import Envelope, inspect_group
 from async_rlhf.buffer.metrics import LatencyWindow, RateMeter
 from async_rlhf.buffer.policy import check_policy, select, victim
 from async_rlhf.buffer.store import AWAITING, DELIVERED, DROPPED, HELD, TRAINED, Store, StoredGroup
+from async_rlhf.prompt_window import Windows, is_open
 from async_rlhf.wire import WireError, unpack_array
 
 ADMISSION_KEYS = ("version", "accepted", "running")
@@ -461,7 +462,10 @@ class BufferLogic:
             win = self.latency[kind] = LatencyWindow()
         win.add(seconds)
 
-    def stats(self, ledger: bool = False) -> dict[str, Any]:
+    def stats(self, ledger: bool = False, ledger_of: Windows | None = None) -> dict[str, Any]:
+        """Counters; with ``ledger`` every group id by state. ``ledger_of`` (the driver's open ledger,
+        ``async_rlhf.prompt_window``) keeps only the groups still open in it: a reply bounded by what is in
+        flight, not by the run's length."""
         a = self.admission
         out: dict[str, Any] = {
             "buffer/store": self.store.name,
@@ -492,12 +496,15 @@ class BufferLogic:
         for kind, w in self.latency.items():
             out[f"buffer/latency_{kind}_p50_ms"], out[f"buffer/latency_{kind}_p99_ms"] = w.percentiles(0.5, 0.99)
         if ledger:
+            def keep(gid: str) -> bool:
+                return ledger_of is None or is_open(gid, ledger_of)
+
             out["ledger"] = {
-                "held": [g.group_id for g in self.store.peek_all()],
-                "awaiting_reward": sorted(self.store.awaiting()),
-                "delivered": sorted(self.store.delivered()),
-                "trained": sorted(self.store.trained()),
-                "dropped": dict(self.store.dropped()),
+                "held": [g.group_id for g in self.store.peek_all() if keep(g.group_id)],
+                "awaiting_reward": sorted(g for g in self.store.awaiting() if keep(g)),
+                "delivered": sorted(g for g in self.store.delivered() if keep(g)),
+                "trained": sorted(g for g in self.store.trained() if keep(g)),
+                "dropped": {g: why for g, why in self.store.dropped().items() if keep(g)},
             }
             out["holders"] = dict(self.holdings)  # admission slots each generator holds (see release_holder)
         return out

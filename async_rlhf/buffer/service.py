@@ -47,6 +47,7 @@ import zmq
 from async_rlhf.buffer.curve import LOOPBACK, CurveServerKeys, secure_server
 from async_rlhf.buffer.frames import as_frames, frames_as_buffers, unpack_sizes
 from async_rlhf.buffer.logic import BufferLogic
+from async_rlhf.prompt_window import Windows, decode_windows
 from async_rlhf.wire import WireError, decode, encode
 
 log = logging.getLogger(__name__)
@@ -240,7 +241,7 @@ class BufferService:
         elif kind == "set_version":
             out = logic.set_version(_count(msg, "version"))
         elif kind == "stats":
-            out = logic.stats(bool(msg.get("ledger", False)))
+            out = logic.stats(bool(msg.get("ledger", False)), _windows(msg))
         else:
             raise WireError("unknown_kind", f"the service does not accept {kind!r} requests")
         self._reply(identity, "reply", req_id, **out)
@@ -317,6 +318,16 @@ def _request_id(msg: dict[str, Any]) -> str | None:
     if rid is not None and (not isinstance(rid, str) or not 0 < len(rid) <= MAX_CONSUMER_NAME):
         raise WireError("malformed", f"request_id must be a string of 1-{MAX_CONSUMER_NAME} characters")
     return rid
+
+
+def _windows(msg: dict[str, Any]) -> Windows | None:
+    """A stats request's ``ledger_of`` (the driver's open ledger), checked."""
+    if "ledger_of" not in msg:
+        return None
+    try:
+        return decode_windows(msg["ledger_of"])
+    except ValueError as exc:
+        raise WireError("malformed", str(exc)) from None
 
 
 def _ids(msg: dict[str, Any], key: str) -> list[str]:

@@ -26,7 +26,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -173,21 +173,23 @@ class Fleet:
         """Give every generator its stream position (a resumed run continues its data) and start it."""
         # a durable (Redis) buffer may still hold groups of the run being resumed: those are not issued
         # again; groups it saw trained after the checkpoint were rolled back with the model and are
-        in_buffer = self._buffer_keys(trained=False)
+        in_buffer = self._buffer_keys(self.handles, trained=False)
         for gen, handle in self.handles.items():
             self._start_stream(gen, handle, in_buffer)
 
-    def _buffer_keys(self, trained: bool = True) -> list[str]:
-        """Groups the buffer holds, has delivered or (``trained``) saw trained: never issued again (trained
-        ones may not have reached the ledger yet, which learns of them a poll later)."""
-        ledger = self.buffer_client.stats(ledger=True)["ledger"]
+    def _buffer_keys(self, gens: Iterable[int], trained: bool = True) -> list[str]:
+        """Groups of generators ``gens`` the buffer holds, has delivered or (``trained``) saw trained: never
+        issued again (trained ones may not have reached the ledger yet, which learns of them a poll later).
+        Only those still open in the ledger are asked for (``PromptLedger.windows``): the reply is bounded by
+        what is in flight, not by the run's length (issue 44, defect 11)."""
+        ledger = self.buffer_client.stats(ledger=True, ledger_of=self.ledger.windows(gens))["ledger"]
         done = [g for g in ledger["trained"] if g not in self.rolled_back] if trained else []
         return [*ledger["held"], *ledger["delivered"], *done]
 
     def _start_stream(self, gen: int, handle: Any, in_buffer: list[str] | None = None) -> None:
         import ray
 
-        plan = self.ledger.plan(gen, self._buffer_keys() if in_buffer is None else in_buffer)
+        plan = self.ledger.plan(gen, self._buffer_keys([gen]) if in_buffer is None else in_buffer)
         ray.get(handle.resume_stream.remote(plan.position, plan.reissue, plan.skip, self.version))
         self.runs[gen] = handle.run.remote()
         if plan.reissue:

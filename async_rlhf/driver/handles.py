@@ -7,6 +7,7 @@ Ray actor handles stay ``Any``: their methods are called through ``.remote``, wh
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
@@ -32,7 +33,8 @@ class BufferStats(Protocol):
     """The driver's own buffer client (:class:`~async_rlhf.buffer.client.BufferClient`): counters, and giving
     back admission slots of groups a dead generator will never put."""
 
-    def stats(self, ledger: bool = False, timeout_s: float | None = None) -> dict[str, Any]: ...
+    def stats(self, ledger: bool = False, timeout_s: float | None = None,
+              ledger_of: Mapping[int, tuple[int, Iterable[int]]] | None = None) -> dict[str, Any]: ...
     def release(self, n: int) -> None: ...
     def release_holder(self, holder: str) -> int: ...
 

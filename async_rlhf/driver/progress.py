@@ -20,6 +20,7 @@ from typing import Any
 
 from async_rlhf.config import Config
 from async_rlhf.driver.checkpoints import commit, list_checkpoints, read_manifest, truncate_jsonl
+from async_rlhf.driver.fleet import MAX_GENERATORS
 from async_rlhf.driver.handles import RoleCluster
 from async_rlhf.driver.prompt_ledger import PromptLedger
 from async_rlhf.generator.stream import key_of_group
@@ -28,12 +29,6 @@ log = logging.getLogger(__name__)
 
 DATA_LEDGER = "data_ledger.jsonl"
 METRICS = "metrics.jsonl"
-
-
-def _trained_ids(data_ledger: Path) -> set[str]:
-    if not data_ledger.is_file():
-        return set()
-    return {gid for line in data_ledger.read_text().splitlines() for gid in json.loads(line)["group_ids"]}
 
 
 def _count_lines(path: Path) -> int:
@@ -72,8 +67,9 @@ class TrainProgress:
             # back what the killed learners held and drops groups made by weights the resume rolled back
             restored = ray.get(cluster.buffer.restore_admission.remote(prog.version,
                                                                       prog.step * cfg.train.batch_size))
-            trained = set(ray.get(cluster.buffer.stats.remote(True))["ledger"]["trained"])
-            prog.rolled_back = trained - _trained_ids(run_dir / DATA_LEDGER)
+            # trained after the checkpoint: open in its ledger (asked for alone, not the whole trained history)
+            windows = prog.ledger.windows(range(MAX_GENERATORS))
+            prog.rolled_back = set(ray.get(cluster.buffer.stats.remote(True, windows))["ledger"]["trained"])
             print(f"resumed from {resume}: step {prog.step}, version {prog.version}", flush=True)
             if states[0].get("critic_restored") is False:
                 print(f"{resume} holds no PPO critic (written before checkpoints kept it): the critic starts "

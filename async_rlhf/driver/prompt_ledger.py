@@ -6,6 +6,11 @@ From it come the data position of a checkpoint and the re-issue plan of a restar
 
     drawn (1..position)  =  trained  +  outstanding (in flight, in the buffer, or lost with a process)
     restart / resume:   re-issue  outstanding - still in the buffer,   skip  in the buffer beyond position
+
+Its size is bounded by what is open, not by the run's length (issue 44, defect 11): per generator a position,
+the outstanding positions below it and the trained ones beyond it (``ahead``). Which keys were trained follows
+from those (:meth:`PromptLedger.is_trained`), so no set of every trained key is kept, and what the driver asks
+the buffer at a restart is the ledger's open part (:meth:`PromptLedger.windows`, ``async_rlhf.prompt_window``).
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from async_rlhf.generator.stream import keys_of_group
+
+REISSUED_KEPT = 4096
 
 
 def split_key(key: str) -> tuple[int, int]:
@@ -37,10 +44,10 @@ class PromptLedger:
     outstanding: dict[int, set[int]] = field(default_factory=dict)
     ahead: dict[int, set[int]] = field(default_factory=dict)
     """Trained positions beyond the last position seen (a generator drew and finished them between polls)."""
-    trained: set[str] = field(default_factory=set)
     duplicates: list[str] = field(default_factory=list)
     """Keys trained a second time: must stay empty (exactly-once)."""
     reissued: dict[int, list[int]] = field(default_factory=dict)
+    """Positions re-issued per generator, the newest ``REISSUED_KEPT`` (for tests and tools; no decision reads it)."""
 
     def observe_position(self, gen: int, position: int) -> None:
         old = self.positions.get(gen, 0)
@@ -56,15 +63,37 @@ class PromptLedger:
         """Groups trained or dropped as uninformative: their prompts, and those passed over before them, are
         used up."""
         for key in (k for gid in group_ids for k in keys_of_group(gid)):
-            if key in self.trained:
+            gen, seq = split_key(key)
+            if self.is_trained(gen, seq):
                 self.duplicates.append(key)
                 continue
-            self.trained.add(key)
-            gen, seq = split_key(key)
             if seq <= self.positions.get(gen, 0):
                 self.outstanding.setdefault(gen, set()).discard(seq)
             else:
                 self.ahead.setdefault(gen, set()).add(seq)
+
+    def is_trained(self, gen: int, seq: int) -> bool:
+        """Whether prompt ``gen:seq`` was used up: drawn (up to the position) and not outstanding, or ahead."""
+        if seq <= self.positions.get(gen, 0):
+            return seq not in self.outstanding.get(gen, ())
+        return seq in self.ahead.get(gen, ())
+
+    @property
+    def trained(self) -> set[str]:
+        """Every key used up, spelled out (for tests and tools: as long as the run; the ledger keeps no such set)."""
+        out = {f"{g}:{s}" for g, p in self.positions.items() for s in range(1, p + 1)
+               if s not in self.outstanding.get(g, ())}
+        return out | {f"{g}:{s}" for g, seqs in self.ahead.items() for s in seqs}
+
+    def windows(self, gens: Iterable[int] | None = None) -> dict[int, tuple[int, set[int]]]:
+        """The open part of the ledger per generator (all it knows, or ``gens``): its position and outstanding
+        positions. A group outside it was trained already (``async_rlhf.prompt_window.is_open``)."""
+        wanted = sorted(self.positions) if gens is None else sorted(set(gens))
+        return {g: (self.positions.get(g, 0), set(self.outstanding.get(g, ()))) for g in wanted}
+
+    def size(self) -> int:
+        """Positions the ledger holds (outstanding, ahead, re-issued): bounded by what is open, not the run."""
+        return sum(len(v) for d in (self.outstanding, self.ahead, self.reissued) for v in d.values())
 
     def plan(self, gen: int, in_buffer: Iterable[str] = ()) -> StreamPlan:
         """Stream plan of generator ``gen`` (re)starting now; ``in_buffer``: group ids the buffer holds, has
@@ -74,7 +103,9 @@ class PromptLedger:
         mine = {seq for g, seq in held if g == gen}
         reissue = sorted(self.outstanding.get(gen, set()) - mine)
         skip = sorted({s for s in mine if s > position} | self.ahead.get(gen, set()))
-        self.reissued.setdefault(gen, []).extend(reissue)
+        kept = self.reissued.setdefault(gen, [])
+        kept.extend(reissue)
+        del kept[:-REISSUED_KEPT]
         return StreamPlan(position, reissue, skip)
 
     def to_state(self) -> dict[str, Any]:
