@@ -4,7 +4,9 @@ tests/integration/test_forkserver.py."""
 
 from __future__ import annotations
 
+import os
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -38,6 +40,52 @@ def test_one_server_per_node_thread_settings_and_preload_list() -> None:
               forkserver.server_name("n1", {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}),
               forkserver.server_name("n1", {"OMP_NUM_THREADS": "1", forkserver.PRELOAD_ENV: "torch"})]
     assert len({name, *others}) == 5
+
+
+def test_a_server_is_per_interpreter_venv_and_preloaded_package_versions(tmp_path, monkeypatch) -> None:
+    """Issue 44, defect 9: a server outlives the job that started it (it ends with its raylet), so a later job
+    from another venv, another interpreter or after a package upgrade must get a server of its own."""
+    def install(site: Path, version: str) -> None:
+        (site / "fakepkg").mkdir(parents=True, exist_ok=True)
+        (site / "fakepkg" / "__init__.py").write_text(f"VERSION = {version!r}\n")
+        for old in site.glob("fakepkg-*.dist-info"):
+            old.rmdir()
+        (site / f"fakepkg-{version}.dist-info").mkdir()
+
+    site = tmp_path / "venv_a" / "site-packages"
+    install(site, "1.0")
+    env = {"OMP_NUM_THREADS": "1", forkserver.PRELOAD_ENV: "fakepkg,fakepkg.sub?"}
+    monkeypatch.setattr(sys, "path", [str(site), *sys.path])
+    first = forkserver.server_name("n1", env)
+    assert first == forkserver.server_name("n1", dict(env)), "the same job asks for the same server"
+
+    install(site, "2.0")  # upgraded in place, between two jobs on one Ray
+    upgraded = forkserver.server_name("n1", env)
+    other = tmp_path / "venv_b" / "site-packages"  # the same version in another venv's folder
+    install(other, "2.0")
+    monkeypatch.setattr(sys, "path", [str(other), *sys.path[1:]])
+    elsewhere = forkserver.server_name("n1", env)
+    monkeypatch.setattr(sys, "prefix", str(tmp_path / "venv_c"))
+    other_prefix = forkserver.server_name("n1", env)
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "venv_c" / "bin" / "python"))
+    other_interpreter = forkserver.server_name("n1", env)
+    assert len({first, upgraded, elsewhere, other_prefix, other_interpreter}) == 5
+    assert "fakepkg-2.0.dist-info" in forkserver.runtime_stamp(env)
+
+
+def test_the_runtime_stamp_names_the_interpreter_venv_checkout_and_preloads(tmp_path) -> None:
+    env = {forkserver.PRELOAD_ENV: "colorsys,no_such_module_here?"}
+    stamp = forkserver.runtime_stamp(env)
+    lines = stamp.splitlines()
+    assert lines[0] == os.path.realpath(sys.executable) and sys.prefix in lines
+    assert str(Path(forkserver.__file__).resolve().parents[1]) in lines, "this checkout's async_rlhf"
+    assert any(line.startswith("colorsys: ") for line in lines) and "no_such_module_here: not found" in lines
+    assert forkserver.server_name("n", env) == forkserver.server_name("n", env, stamp)
+    assert forkserver.runtime_stamp(env, executable="/x/python", prefix="/x", path=[]) != stamp
+    # what the default preload list stands for, looked up without importing any of it
+    default = forkserver.runtime_stamp({})
+    assert {line.split(":")[0] for line in default.splitlines()[4:]} == {"torch", "transformers", "vllm",
+                                                                         "deepspeed"}
 
 
 def test_worker_arguments_are_read_in_both_spellings() -> None:
