@@ -284,9 +284,13 @@ def parse(parser: Callable[[list[str]], argparse.Namespace], tokens: list[str]) 
 
 
 def _model_dir(checker: Checker, value: str, architecture: str) -> Path:
+    """A Hugging Face model directory as the launcher reads it (JSON only): its architecture, its window, and the
+    completion length its generation_config.json gives (so the command is checked, not the stand-in's limits)."""
     d = checker.stand_in_path(value)
     d.mkdir(parents=True)
-    (d / "config.json").write_text(json.dumps({"architectures": [architecture], "num_labels": 1}))
+    (d / "config.json").write_text(json.dumps({"architectures": [architecture], "num_labels": 1,
+                                               "max_position_embeddings": 2048}))
+    (d / "generation_config.json").write_text(json.dumps({"max_new_tokens": 64}))
     return d
 
 
