@@ -166,6 +166,10 @@ def main(argv: list[str] | None = None) -> int:
         from async_rlhf.driver.memory_plan import check_memory, plan_for
 
         memory = plan_for(cfg)  # host memory per role: a fleet this machine cannot hold is refused here
+        if args.dry_run:  # the window and completion length the run will use (a --model's own: config/model_limits.py)
+            from async_rlhf.config import model_limits_line
+
+            print(model_limits_line(cfg))
         if args.dry_run and not args.address:
             here = local_resources(cfg)
             print(format_plan(plan, {"CPU": here["_cores"], "GPU": here["GPU"]}))

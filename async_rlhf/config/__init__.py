@@ -6,6 +6,7 @@ files plus ``key=value`` overrides.
     fields.py    the pydantic base and the rule types a field carries (ranges; choices are Literal)
     rules.py     checks that span keys, and validate()
     checks.py    reward, algorithm, environment and path checks
+    model_limits.py  a user's --model: its context window and completion length
     loading.py   YAML files and key=value overrides -> a validated Config
     secrets.py   the keys holding secrets: masked in config.json, given again from the environment on resume
 
@@ -43,6 +44,10 @@ from async_rlhf.config.fields import (  # noqa: F401
 from async_rlhf.config.loading import (  # noqa: F401
     load_config,
     make_paths_absolute,
+)
+from async_rlhf.config.model_limits import (  # noqa: F401
+    model_limits_line,
+    resolve_model_limits,
 )
 from async_rlhf.config.roles import (  # noqa: F401
     BufferConfig,

@@ -8,6 +8,7 @@ from typing import Any
 from async_rlhf.config.checks import check_algorithm, check_env, check_lora, parse_reward_sources
 from async_rlhf.config.errors import ConfigError
 from async_rlhf.config.fields import check_fields
+from async_rlhf.config.model_limits import resolve_model_limits
 from async_rlhf.config.roles import Config
 from async_rlhf.config.secrets import SECRET_ENV, is_masked, mask_url, masked_error
 from async_rlhf.config.sections import TrainConfig
@@ -34,6 +35,7 @@ def validate(cfg: Config) -> Config:
     cfg.prompts.chat_template = {"true": "on", "false": "off"}.get(cfg.prompts.chat_template.lower(),
                                                                   cfg.prompts.chat_template.lower())
     check_fields(cfg)  # each key against the rule on its field (fields.py, sections.py, roles.py)
+    resolve_model_limits(cfg)  # a --model of the user's own: its window and completion length, not the tiny's
     if cfg.train.batch_size % cfg.learners:
         raise ConfigError(
             f"train.batch_size ({cfg.train.batch_size}) must be a multiple of --learners ({cfg.learners}) "

@@ -24,6 +24,9 @@ from async_rlhf.tiny.tokenizer import build_tokenizer, save_tokenizer
 
 logger = logging.getLogger(__name__)
 
+TINY_MAX_NEW_TOKENS = 6
+"""The longest completion of the tiny model's tasks (generator.max_new_tokens's default)."""
+
 
 def tiny_config(vocab_size: int, pad_id: int, bos_id: int, eos_id: int) -> Qwen2Config:
     """The architecture of the tiny policy (head_dim 32, which vLLM's CPU attention supports)."""
@@ -54,8 +57,11 @@ def build_tiny_model(out_dir: Path, seed: int = 0) -> Path:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Qwen2ForCausalLM(cfg).to(torch.float32)
+    # max_new_tokens: the completion length its tasks need, which a run given this directory as --model takes
+    # (async_rlhf/config/model_limits.py), as it takes its window from max_position_embeddings
     model.generation_config = GenerationConfig(
-        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+        max_new_tokens=TINY_MAX_NEW_TOKENS,
     )
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out_dir))
