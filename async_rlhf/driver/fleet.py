@@ -27,11 +27,13 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from async_rlhf.driver.handles import BufferStats, FleetControl, RoleCluster
 from async_rlhf.driver.prompt_ledger import PromptLedger
+from async_rlhf.generator.lanes import Layout
 from async_rlhf.generator.stream import client_name
 
 log = logging.getLogger(__name__)
@@ -173,9 +175,31 @@ class Fleet:
         """Give every generator its stream position (a resumed run continues its data) and start it."""
         # a durable (Redis) buffer may still hold groups of the run being resumed: those are not issued
         # again; groups it saw trained after the checkpoint were rolled back with the model and are
-        in_buffer = self._buffer_keys(self.handles, trained=False)
+        in_buffer = self._buffer_keys(set(self.handles) | set(self.ledger.positions), trained=False)
+        self._deal_lanes(in_buffer)
         for gen, handle in self.handles.items():
             self._start_stream(gen, handle, in_buffer)
+
+    def _deal_lanes(self, in_buffer: list[str]) -> None:
+        """Record the fleet size the generators' positions are strides of; a resume with another ``--generators``
+        deals a file or Python source's open positions and unreached places to the new fleet first
+        (``generator/lanes.py``): every record of the epoch once, whatever the fleet sizes (issue 44, defect 7)."""
+        cfg = self.cluster.cfg
+        layout = self.ledger.layout
+        if layout is None or (layout.lanes != cfg.generators and cfg.prompts.source not in ("file", "python")):
+            # a fresh run; or a source without strides (the task's own draws per generator, a Redis stream)
+            self.ledger.layout = Layout.default(cfg.generators) if layout is None else replace(
+                layout, lanes=cfg.generators)
+            return
+        if layout.lanes == cfg.generators:
+            return
+        relaid = self.ledger.relayout(cfg.generators, in_buffer)
+        self.events.append({"event": "relaid", "time": time.time(), "lanes_before": layout.lanes,
+                            "lanes": cfg.generators, "dealt_again": relaid.moved, "abandoned": relaid.abandoned})
+        print(f"resumed on {cfg.generators} generator(s) where the checkpoint's prompt positions are strides of "
+              f"{layout.lanes}: {relaid.moved} prompt(s) the old fleet left open or never reached are dealt to the "
+              "new fleet first" + (f"; {relaid.abandoned} open prompt(s) of generators beyond the old fleet (their "
+                                   "own shuffle) are not issued again" if relaid.abandoned else ""), flush=True)
 
     def _buffer_keys(self, gens: Iterable[int], trained: bool = True) -> list[str]:
         """Groups of generators ``gens`` the buffer holds, has delivered or (``trained``) saw trained: never
@@ -190,7 +214,8 @@ class Fleet:
         import ray
 
         plan = self.ledger.plan(gen, self._buffer_keys([gen]) if in_buffer is None else in_buffer)
-        ray.get(handle.resume_stream.remote(plan.position, plan.reissue, plan.skip, self.version))
+        layout = self.ledger.layout.to_dict() if self.ledger.layout is not None else None
+        ray.get(handle.resume_stream.remote(plan.position, plan.reissue, plan.skip, self.version, layout))
         self.runs[gen] = handle.run.remote()
         if plan.reissue:
             self.counters["reissued_prompts"] += len(plan.reissue)

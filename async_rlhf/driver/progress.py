@@ -18,11 +18,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from async_rlhf.config import Config
+from async_rlhf.config import Config, ConfigError
 from async_rlhf.driver.checkpoints import commit, list_checkpoints, read_manifest, truncate_jsonl
 from async_rlhf.driver.fleet import MAX_GENERATORS
 from async_rlhf.driver.handles import RoleCluster
 from async_rlhf.driver.prompt_ledger import PromptLedger
+from async_rlhf.generator.lanes import Layout
 from async_rlhf.generator.stream import key_of_group
 
 log = logging.getLogger(__name__)
@@ -36,6 +37,24 @@ def _count_lines(path: Path) -> int:
         return 0
     with path.open() as fh:
         return sum(1 for _ in fh)
+
+
+def check_learners(manifest: dict[str, Any], cfg: Config, ckpt: Path | str) -> None:
+    """Refuse a resume on another learner world size: each rank loads the ZeRO shards of its own rank, saved
+    for the world size the checkpoint records (DeepSpeed's universal checkpoints are not written)."""
+    saved = manifest.get("learners")
+    if saved is not None and int(saved) != cfg.learners:
+        raise ConfigError(f"--resume {ckpt}: the checkpoint was written by {saved} learner rank(s) and this run has "
+                          f"--learners {cfg.learners}; its ZeRO optimizer and model shards are per rank: resume with "
+                          f"--learners {saved}")
+
+
+def saved_layout(manifest: dict[str, Any]) -> Layout:
+    """The layout a checkpoint's prompt positions follow; one written before it was recorded: strides of the
+    generators its ledger knew (the configured fleet, unless the run had scaled)."""
+    if "layout" in manifest:
+        return Layout.from_dict(manifest["layout"])
+    return Layout.default(int(manifest.get("generators") or len(manifest.get("data") or {}) or 1))
 
 
 @dataclass
@@ -58,9 +77,11 @@ class TrainProgress:
         prog = cls(cfg, cluster, run_dir)
         if resume is not None:
             manifest = read_manifest(resume)
+            check_learners(manifest, cfg, resume)  # before any rank meets shards saved for another world size
             states = ray.get([lr.load_checkpoint.remote(str(resume)) for lr in cluster.learners])
             prog.step, prog.version = states[0]["step"], states[0]["version"]
             prog.ledger = PromptLedger.from_state(manifest["data"])
+            prog.ledger.layout = saved_layout(manifest)  # the fleet size its positions are strides of
             truncate_jsonl(run_dir / METRICS, int(manifest["metrics_lines"]))
             truncate_jsonl(run_dir / DATA_LEDGER, int(manifest["data_lines"]))
             # the buffer takes the checkpoint's version and consumed groups; a durable (Redis) one also gives
@@ -122,6 +143,8 @@ class TrainProgress:
             "metrics_lines": _count_lines(self.run_dir / METRICS),
             "data_lines": _count_lines(self.run_dir / DATA_LEDGER),
             "generators": len(self.ledger.positions),
+            # how a file or Python source is dealt: the fleet size the positions are strides of (generator/lanes.py)
+            **({"layout": self.ledger.layout.to_dict()} if self.ledger.layout is not None else {}),
             "learners": self.cfg.learners,
         }
         before = set(list_checkpoints(self.run_dir))

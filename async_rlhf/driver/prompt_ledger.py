@@ -19,6 +19,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from async_rlhf.generator.lanes import Layout, Relaid, relayout
 from async_rlhf.generator.stream import keys_of_group
 
 REISSUED_KEPT = 4096
@@ -48,6 +49,9 @@ class PromptLedger:
     """Keys trained a second time: must stay empty (exactly-once)."""
     reissued: dict[int, list[int]] = field(default_factory=dict)
     """Positions re-issued per generator, the newest ``REISSUED_KEPT`` (for tests and tools; no decision reads it)."""
+    layout: Layout | None = None
+    """How a file or Python source is dealt to the fleet (``generator/lanes.py``): the fleet size the positions
+    are strides of; None until the fleet starts (a checkpoint records it)."""
 
     def observe_position(self, gen: int, position: int) -> None:
         old = self.positions.get(gen, 0)
@@ -101,12 +105,28 @@ class PromptLedger:
         position = self.positions.get(gen, 0)
         held = [split_key(k) for g in in_buffer for k in keys_of_group(g)]
         mine = {seq for g, seq in held if g == gen}
-        reissue = sorted(self.outstanding.get(gen, set()) - mine)
+        base = self.layout.base.get(gen, 0) if self.layout is not None else 0  # before: an earlier layout's
+        reissue = sorted(s for s in self.outstanding.get(gen, set()) - mine if s > base)
         skip = sorted({s for s in mine if s > position} | self.ahead.get(gen, set()))
         kept = self.reissued.setdefault(gen, [])
         kept.extend(reissue)
         del kept[:-REISSUED_KEPT]
         return StreamPlan(position, reissue, skip)
+
+    def relayout(self, lanes: int, in_buffer: Iterable[str] = ()) -> Relaid:
+        """Deal a file or Python source to ``lanes`` generators where the layout had another fleet size (a resume
+        with another ``--generators``, ``lanes.relayout``); ``in_buffer``: group ids a durable buffer holds or
+        delivered (trained later under their keys). The open positions of the old lanes are dealt again under
+        new keys: no longer outstanding here."""
+        old = self.layout if self.layout is not None else Layout.default(lanes)
+        held: dict[int, set[int]] = {}
+        for key in (k for g in in_buffer for k in keys_of_group(g)):
+            gen, seq = split_key(key)
+            held.setdefault(gen, set()).add(seq)
+        out = relayout(old, lanes, self.positions, self.outstanding, self.ahead, held)
+        self.layout, self.positions, self.outstanding = out.layout, dict(out.positions), out.outstanding
+        self.ahead = {}
+        return out
 
     def to_state(self) -> dict[str, Any]:
         """The data position of a checkpoint (JSON)."""

@@ -39,11 +39,12 @@ from async_rlhf.config import Config
 from async_rlhf.env.registry import make_env
 from async_rlhf.evaluation import score_eval_set
 from async_rlhf.generator.groups import GroupRunner
+from async_rlhf.generator.lanes import Layout, lane_source, offset_stream
 from async_rlhf.generator.loop_phases import EVAL_PREFIX, LoopPhases, LoopState
 from async_rlhf.generator.prompt_filter import UninformativePromptFilter
 from async_rlhf.generator.prompt_fit import PromptFit, context_len
 from async_rlhf.generator.rollout import EnginePolicy
-from async_rlhf.generator.stream import PromptStream, client_name
+from async_rlhf.generator.stream import client_name
 from async_rlhf.rewards.base import Completion
 from async_rlhf.rewards.streak import FailureStreak
 from async_rlhf.timeline import Timeline
@@ -111,6 +112,7 @@ class GeneratorActor(LoopPhases):
         self._draining = threading.Event()
         self._running = threading.Event()
         self._resume: dict[str, Any] = {}
+        self._layout: dict[str, Any] | None = None
         self._position = 0
         self._run_tag = uuid.uuid4().hex[:6]
         self.counters: dict[str, float] = {
@@ -177,10 +179,14 @@ class GeneratorActor(LoopPhases):
             stop_retries()
         (self._draining if drain else self._stop).set()
 
-    def resume_stream(self, position: int, reissue: list[int], skip: list[int], version: int | None = None) -> None:
+    def resume_stream(self, position: int, reissue: list[int], skip: list[int], version: int | None = None,
+                      layout: dict[str, Any] | None = None) -> None:
         """Before run(): continue the prompt stream after ``position``, re-issuing ``reissue`` first;
-        ``version``: the version of the weights this engine was started from (a resumed checkpoint)."""
+        ``version``: the version of the weights this engine was started from (a resumed checkpoint); ``layout``:
+        how a file or Python source is dealt to the fleet (``generator/lanes.py``; None: strides of the
+        configured fleet)."""
         self._resume = {"start": int(position), "reissue": list(reissue), "skip": list(skip)}
+        self._layout = dict(layout) if layout is not None else None
         self._position = int(position)
         if version is not None:
             with self._lock:
@@ -220,7 +226,12 @@ class GeneratorActor(LoopPhases):
         from async_rlhf.rewards.build import make_rewards
 
         seed = cfg.train.seed * 7919 + self.gen_id
-        source = make_prompts(cfg, self.env, seed, consumer=client_name(self.gen_id), lane=self._lane())
+        layout = self._current_layout()
+        lane = self._lane(layout)
+        if lane is not None and cfg.prompts.source in ("file", "python") and not layout.is_default():
+            source, base = lane_source(cfg, layout, self.gen_id), layout.base.get(self.gen_id, 0)
+        else:
+            source, base = make_prompts(cfg, self.env, seed, consumer=client_name(self.gen_id), lane=lane), 0
         rewards = make_rewards(cfg, self.env)
         filt = self.prompt_filter = (UninformativePromptFilter(cfg.prompts.skip_min_retry, seed)
                                      if cfg.prompts.skip_uninformative else None)
@@ -234,7 +245,7 @@ class GeneratorActor(LoopPhases):
         self._groups = runner.groups
         eval_params = SamplingParams(max_tokens=gen_cfg.max_new_tokens, temperature=0.0, detokenize=False,
                                      stop_token_ids=self.stop_ids, output_kind=RequestOutputKind.FINAL_ONLY)
-        problems = PromptStream(source, **self._resume)
+        problems = offset_stream(source, base, **self._resume)
         st = LoopState()
         self._last_swap = time.monotonic()
         self._running.set()
@@ -282,15 +293,20 @@ class GeneratorActor(LoopPhases):
                 source.close()
         return self.stats()
 
-    def _lane(self) -> tuple[int, int] | None:
-        """This generator's stride of a file or Python prompt source: lane ``gen_id`` of ``generators`` (a
-        restarted generator, or one re-added under a freed id, continues its lane); None beyond the configured
-        fleet, where prompts are drawn on their own and may repeat within an epoch."""
-        if self.gen_id < self.cfg.generators:
-            return (self.gen_id, self.cfg.generators)
+    def _current_layout(self) -> Layout:
+        """How the fleet shares a file or Python source: the driver's (``resume_stream``), else strides of the
+        configured fleet."""
+        return Layout.from_dict(self._layout) if self._layout else Layout.default(self.cfg.generators)
+
+    def _lane(self, layout: Layout) -> tuple[int, int] | None:
+        """This generator's stride of a file or Python prompt source: lane ``gen_id`` of the layout's fleet (a
+        restarted generator, or one re-added under a freed id, continues its lane); None beyond that fleet,
+        where prompts are drawn on their own and may repeat within an epoch."""
+        if self.gen_id < layout.lanes:
+            return (self.gen_id, layout.lanes)
         if self.cfg.prompts.source in ("file", "python"):
             log.warning("generator %d is beyond the configured fleet (generators=%d): it draws prompts on its own "
-                        "shuffle, so prompts may repeat within an epoch", self.gen_id, self.cfg.generators)
+                        "shuffle, so prompts may repeat within an epoch", self.gen_id, layout.lanes)
         return None
 
     def _staged(self) -> int | None:
