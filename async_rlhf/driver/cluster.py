@@ -3,6 +3,7 @@
     driver (this process)
       |-- BufferActor        ZeroMQ ROUTER on its node, memory or Redis store, staleness rule, ledger
       |                      (Redis: restarted by Ray on the same port, recovers its state; see buffer_watch.py)
+      |-- RewardModelServer x K  (rewards.sources=model) owned by the driver, found by name by the generators
       |-- GeneratorActor x N vLLM engine + loop            --put--> buffer
       |-- LearnerActor   x M DeepSpeed engine              <--get-- buffer
       |        rank 0 ==broadcast (own TCPStore, gloo/nccl)==> every generator's vLLM worker
@@ -186,6 +187,7 @@ class Cluster:
         from async_rlhf.driver.startup_watch import StartupWatch
         from async_rlhf.endpoints import NETWORK_ENV, make_run_keys, run_keys_env, use_node_addresses
         from async_rlhf.generator.actor import GeneratorActor
+        from async_rlhf.rewards.model import start_reward_models
         from async_rlhf.startup.phases import FIRST_PUSH
 
         t0 = time.time()
@@ -235,6 +237,9 @@ class Cluster:
             runtime_env={"env_vars": self.role_env}).remote(buffer_cfg)
         self.buffer_address = ray.get(self.buffer.address.remote())
         self._driver_phase("buffer start", t)
+        # the reward model's actors: created here, so owned by this driver and not by the generator that first
+        # scores (Ray ends an actor with its owner); the generators find them by name
+        self.reward_models = start_reward_models(cfg)
         self._gen_cls = ray.remote(GeneratorActor)
         self._gen_opts = {"num_cpus": res.generator_cpus, "num_gpus": res.generator_gpus, "max_concurrency": 4,
                           "resources": self.plan.role("generators").custom(),  # a late joiner's too
@@ -484,6 +489,8 @@ class Cluster:
 
         for actor in [*self.generators, *self.added, *self.learners, self.buffer]:
             ray.kill(actor)
+        if self.reward_models is not None:
+            self.reward_models.close()
         for pg in self.groups.values():
             remove_placement_group(pg)
         self.startup.close()

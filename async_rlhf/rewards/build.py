@@ -10,7 +10,8 @@ from async_rlhf.rewards.base import FunctionReward, RewardSource, WeightedReward
 
 
 def make_rewards(cfg: Config, env: Environment) -> RewardSource:
-    """The weighted sum of the configured sources. ``model`` starts (or finds) the reward-model Ray actors."""
+    """The weighted sum of the configured sources. ``model`` finds the reward-model Ray actors the driver started
+    (``async_rlhf.rewards.model``)."""
     r = cfg.rewards
     parts: list[tuple[RewardSource, float]] = []
     for name, weight in parse_reward_sources(r.sources):
@@ -28,8 +29,7 @@ def make_rewards(cfg: Config, env: Environment) -> RewardSource:
         elif name == "model":
             from async_rlhf.rewards.model import RewardModelSource, reward_model_actors
 
-            parts.append((RewardModelSource(reward_model_actors(r.model_path, r.model_actors,
-                                                                r.model_batch_size)), weight))
+            parts.append((RewardModelSource(reward_model_actors(cfg)), weight))  # started by the driver
     if len(parts) == 1 and parts[0][1] == 1.0:
         return parts[0][0]
     return WeightedRewards(parts)

@@ -4,9 +4,18 @@
                                            requests arriving within ``wait_s`` are merged, up to
                                            ``max_batch`` texts per forward, run on a thread
 
-The actors are named per model directory (``get_if_exists``): every generator of a run shares them, and the
-first generator to ask creates them. Scores are ``logits[:, 0]`` of the last non-padding token (the
-classifier's own pooling), computed on ``prompt + completion``.
+Who owns them: the driver. Ray ends a non-detached actor when the process that created it ends, so actors a
+generator created died with that generator (a generator killed, restarted or scaled down took every other
+generator's rewards with it; issue 44). ``Cluster`` starts them at start-up (:func:`start_reward_models`) and
+kills them at close; each generator (and the driver's held-out evaluation) finds them by name
+(:func:`reward_model_actors`), named after the run directory, the model directory and an index, in the run's Ray
+namespace:
+
+    driver --start_reward_models--> RewardModelServer 0..k-1  (owned by the driver: live as long as the run)
+    generator g --reward_model_actors (by name)--^           a generator's restart or end leaves them up
+
+Scores are ``logits[:, 0]`` of the last non-padding token (the classifier's own pooling), computed on
+``prompt + completion``.
 """
 
 from __future__ import annotations
@@ -14,10 +23,11 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import itertools
+import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
+from async_rlhf.config import Config, parse_reward_sources
 from async_rlhf.env.base import Prompt
 from async_rlhf.rewards.base import RewardSource, check_rewards
 
@@ -107,19 +117,89 @@ class RewardModelServer:
         return {"batches": self.batches, "texts": self.texts}
 
 
-def server_name(model_dir: str, index: int) -> str:
-    digest = hashlib.sha1(str(Path(model_dir).resolve()).encode()).hexdigest()[:10]
+def server_name(model_dir: str, index: int, scope: str = "") -> str:
+    """The name of reward-model actor ``index`` of ``model_dir`` for the run ``scope`` (its run directory): the
+    driver and every generator compute it from the same config (paths as given, never resolved where they run)."""
+    digest = hashlib.sha1(f"{scope}\n{model_dir}".encode()).hexdigest()[:12]
     return f"async_rlhf_reward_model_{digest}_{index}"
 
 
-def reward_model_actors(model_dir: str, count: int, max_batch: int) -> list[Any]:
-    """The run's reward-model actors, created by the first caller (named, shared by every generator)."""
+def actor_names(cfg: Config) -> list[str]:
+    """The run's reward-model actor names (``rewards.model_actors`` of them)."""
+    r = cfg.rewards
+    return [server_name(r.model_path, i, cfg.run.dir) for i in range(r.model_actors)]
+
+
+def uses_reward_model(cfg: Config) -> bool:
+    """Whether ``rewards.sources`` names the ``model`` source."""
+    return "model" in [name for name, _ in parse_reward_sources(cfg.rewards.sources)]
+
+
+class RewardModelActors:
+    """The run's reward-model actors as the driver holds them: it created them, so they live as long as it does
+    (or until :meth:`close`), whatever happens to the generators that score on them."""
+
+    def __init__(self, names: list[str], handles: list[Any]) -> None:
+        self.names, self.handles = names, handles
+
+    def close(self, wait_s: float = 10.0) -> None:
+        """Kill them, and wait (up to ``wait_s``) until their names are free: a next run in this driver with the
+        same run directory and model (tests run several) must start its own, not find these dying."""
+        import ray
+
+        for handle in self.handles:
+            ray.kill(handle)
+        deadline = time.monotonic() + wait_s
+        for name in self.names:
+            while time.monotonic() < deadline:
+                try:
+                    ray.get_actor(name)
+                except ValueError:
+                    break
+                time.sleep(0.05)
+
+
+def start_reward_models(cfg: Config) -> RewardModelActors | None:
+    """In the driver, at start-up: the run's reward-model actors (None without a ``model`` reward source), owned
+    by the driver. Their model loads while the rest starts; a score asked meanwhile waits for it."""
+    if not uses_reward_model(cfg):
+        return None
     import ray
 
+    r = cfg.rewards
     cls = ray.remote(RewardModelServer)
-    return [cls.options(name=server_name(model_dir, i), get_if_exists=True, num_cpus=0, max_concurrency=1000,
-                        runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}}).remote(model_dir, max_batch)
-            for i in range(count)]
+    names = actor_names(cfg)
+    handles = [cls.options(name=name, get_if_exists=True, num_cpus=0, max_concurrency=1000,
+                           runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}}).remote(r.model_path,
+                                                                                        r.model_batch_size)
+               for name in names]
+    return RewardModelActors(names, handles)
+
+
+class RewardModelsMissing(RuntimeError):
+    """A role asked for reward-model actors the driver has not started (or has already killed)."""
+
+
+def reward_model_actors(cfg: Config) -> list[Any]:
+    """The run's reward-model actors, found by name. A role (a generator) never creates them: what it created
+    would end with it. Only the driver itself may, where it asks before any ``Cluster`` started them (it owns
+    them then, as ``Cluster`` does)."""
+    import ray
+
+    found = []
+    for name in actor_names(cfg):
+        try:
+            found.append(ray.get_actor(name))
+        except ValueError:
+            if ray.get_runtime_context().worker.mode != ray.SCRIPT_MODE:
+                raise RewardModelsMissing(
+                    f"reward-model actor {name} ({cfg.rewards.model_path}) is not running: the driver starts them "
+                    "(async_rlhf.rewards.model.start_reward_models, from Cluster) and a role only looks them up, "
+                    "so that they outlive any one generator") from None
+            started = start_reward_models(cfg)
+            assert started is not None
+            return started.handles
+    return found
 
 
 class RewardModelSource(RewardSource):
