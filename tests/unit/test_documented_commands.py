@@ -318,10 +318,14 @@ def _yaml(checker: Checker, value: str) -> Path:
 
 def _run(checker: Checker, value: str) -> Path:
     """A run directory as the run that made it leaves it: its config.json and its last checkpoint (at that run's
-    train.steps; a placeholder's at step 1, with the default config)."""
+    train.steps, or the step a ``checkpoints/step-N`` value names; a placeholder's at step 1, with the default
+    config)."""
     maker = checker.maker(value)
     cfg = (checker.made.get(maker) if maker else None) or Config()
     steps = cfg.train.steps if maker and checker.made.get(maker) else 1
+    named = Path(value)
+    if named.parent.name == "checkpoints" and named.name.startswith("step-"):  # a checkpoint named by its step
+        steps = int(named.name.removeprefix("step-"))
     d = checker.stand_in_path(value)
     ckpt = checkpoints_dir(d) / checkpoint_name(steps)
     for part in ("deepspeed", "policy"):
