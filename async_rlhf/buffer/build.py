@@ -5,6 +5,7 @@ from __future__ import annotations
 from async_rlhf.buffer.client import BufferClient
 from async_rlhf.buffer.curve import CurveClientKeys, CurveServerKeys, parse_keys
 from async_rlhf.buffer.logic import BufferLogic
+from async_rlhf.buffer.run_scope import scoped_prefix
 from async_rlhf.buffer.service import BufferService
 from async_rlhf.buffer.store import MemoryStore, Store
 from async_rlhf.config import BufferConfig, Config, drops_zero_advantage
@@ -24,11 +25,32 @@ def make_store(kind: str, url: str = "", prefix: str = "async_rlhf:buffer", retr
 
 def build_logic(cfg: Config) -> BufferLogic:
     b = cfg.buffer
-    store = make_store(b.store, url=b.redis_url, prefix=b.redis_prefix, retry_s=b.redis_retry_s)
+    # a run's Redis keys live under prefix:<run id>: a new run never inherits an earlier one's (run_scope.py)
+    store = make_store(b.store, url=b.redis_url, prefix=scoped_prefix(b.redis_prefix, cfg.run.id),
+                       retry_s=b.redis_retry_s)
+    if b.store == "redis" and cfg.run.id:
+        notice_earlier_runs(store, b.redis_prefix, cfg.run.id)
     return BufferLogic(store, groups_per_version=cfg.train.batch_size * cfg.train.push_every,
                        max_staleness=cfg.train.max_staleness, capacity=b.capacity, policy=b.policy,
                        visibility_timeout_s=b.visibility_timeout_s, reward_deadline_s=b.reward_deadline_s,
                        drop_zero_advantage=drops_zero_advantage(cfg.train))
+
+
+def notice_earlier_runs(store: Store, prefix: str, run_id: str) -> None:
+    """Say (once, at a fresh start) that other runs' buffer states lie under ``prefix``: never read by this run."""
+    from async_rlhf.buffer.run_scope import earlier_runs
+
+    if store.meta() or len(store):  # a restart or a resume of this run
+        return
+    others = earlier_runs(store.r, prefix, run_id)  # type: ignore[attr-defined]
+    if others:
+        import logging
+
+        logging.getLogger(__name__).warning(
+            "buffer: Redis prefix %s holds the buffer state of %d earlier run(s) (%s%s); this run (id %s) keeps its "
+            "keys under %s:%s and never reads theirs. Delete them once no run will resume them (redis-cli --scan "
+            "--pattern '%s:*' lists every key under the prefix)", prefix, len(others), ", ".join(others[:3]),
+            ", ..." if len(others) > 3 else "", run_id, prefix, run_id, prefix)
 
 
 def server_keys(b: BufferConfig) -> CurveServerKeys | None:

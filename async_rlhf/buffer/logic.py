@@ -73,10 +73,14 @@ class BufferLogic:
         self.admission = AdmissionControl(groups_per_version, max_staleness, **{
             k: int(meta[k]) for k in ADMISSION_KEYS if k in meta})
         self.counters: Counter[str] = Counter({k[2:]: int(v) for k, v in meta.items() if k.startswith("c:")})
-        self.holdings: Counter[str] = Counter()
+        self.holdings: Counter[str] = Counter(
+            {k[2:]: int(v) for k, v in meta.items() if k.startswith("h:") and int(v) > 0})
         """Admission slots each generator (by its client's name) holds: granted, not yet put or released. When a
         generator dies, :meth:`release_holder` gives back exactly these (the driver's polled count is seconds
-        old). Kept in memory: a restarted service knows no holdings (it releases nothing for them)."""
+        old). Saved with the admission counters (``h:<holder>`` in the meta): a service restarted on a durable store
+        still releases a dead generator's slots (issue 44, item 12)."""
+        self._holders_saved: set[str] = {k[2:] for k in meta if k.startswith("h:")}
+        """Holders whose count the store has: a holder whose slots all ended is saved as 0, not left at its last."""
         self._dead_holders: set[str] = set()
         """Holders released by :meth:`release_holder` that have not admitted since: a put of theirs still on its
         way counts as accepted but ends no running slot (those went back already)."""
@@ -88,8 +92,10 @@ class BufferLogic:
 
     def _meta(self) -> dict[str, int]:
         a = self.admission
+        self._holders_saved.update(self.holdings)
         return {"version": a.version, "accepted": a.accepted, "running": a.running,
-                **{f"c:{k}": v for k, v in self.counters.items()}}
+                **{f"c:{k}": v for k, v in self.counters.items()},
+                **{f"h:{h}": self.holdings.get(h, 0) for h in self._holders_saved}}
 
     def room(self) -> int | None:
         """Groups that may still be started or put before the capacity bound (None: unbounded)."""

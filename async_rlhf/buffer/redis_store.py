@@ -57,6 +57,7 @@ from typing import Any, TypeVar
 import redis
 
 from async_rlhf.buffer.redis_scripts import ADMIT, DELIVER, FINISH, META, PUT, REWARD
+from async_rlhf.buffer.run_scope import durability_warnings
 from async_rlhf.buffer.store import Delivery, MemoryStore, StoredGroup
 from async_rlhf.retry import retry
 
@@ -104,6 +105,10 @@ class RedisStore(MemoryStore):
         self._sids: dict[str, str] = {}  # group id -> stream entry id (held or delivered)
         self.retries = 0
         self._retry(self._load)
+        # the docs promise a buffer that survives a restart of Redis: say so when this Redis cannot (item 12)
+        self.durability = self._retry(durability_warnings, self.r)
+        for warning in self.durability:
+            log.warning("buffer: Redis at %s (prefix %s) is not durable: %s", self._safe_url(), self.prefix, warning)
 
     # -- plumbing ---------------------------------------------------------------------------
     def _retry(self, fn: Callable[..., T], *args: Any) -> T:

@@ -193,6 +193,10 @@ class RunConfig(Section):
     buffer_max_restarts: Count = 3
     """Times Ray restarts the buffer actor when buffer.store=redis (it recovers its state from Redis on the same
     port); with the memory store a dead buffer stops the run."""
+    id: str = ""
+    """Set by the driver, not by hand (issue 44, defect 4): a fresh run takes a new id, ``--resume`` the run's own
+    (async_rlhf/buffer/run_scope.py). A Redis buffer keeps its keys under ``buffer.redis_prefix:<id>`` and a Redis
+    prompt stream its positions per run, so a new run on a Redis used before starts clean."""
 
 
 class ResourcesConfig(Section):

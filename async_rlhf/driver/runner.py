@@ -360,6 +360,11 @@ def _run_locked(cfg: Config, address: str | None, cache_root: Path, resume: Path
     if resume is None and cfg.run.overwrite:
         clear_run_dir(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    from async_rlhf.buffer.run_scope import run_id_for
+
+    # issue 44, defect 4: a fresh run a new id, a resume its own (read before config.json is rewritten); a Redis
+    # buffer's keys and a Redis prompt stream's positions are scoped by it
+    cfg.run.id = run_id_for(run_dir, resume)
     (run_dir / "config.json").write_text(cfg.to_json())
     t0 = time.time()
     early = start_early_fork_servers(cfg, address)  # their imports overlap the model's resolution and Ray's start

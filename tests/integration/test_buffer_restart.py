@@ -23,6 +23,7 @@ import pytest
 from jobs import data_ledger, job_args, kill_session, learner_records, start_job, wait_until
 
 from async_rlhf.buffer.redis_store import RedisStore
+from async_rlhf.buffer.run_scope import run_prefix
 from async_rlhf.buffer.testing import RedisServer
 from async_rlhf.driver.fleet import send_control
 from async_rlhf.generator.stream import key_of_group
@@ -51,7 +52,7 @@ def test_a_killed_buffer_on_redis_restarts_and_the_run_finishes_exactly(tmp_path
             code = job.wait(timeout=400)
         finally:
             kill_session(job.pid)
-        store = RedisStore(server.url, PREFIX)
+        store = RedisStore(server.url, run_prefix(run_dir, PREFIX))  # the run's own keys (issue 44, defect 4)
         try:
             trained, dropped = set(store.trained()), store.dropped()
             left = {g.group_id for g in store.held()} | set(store.delivered()) | set(store.awaiting())

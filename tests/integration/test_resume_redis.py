@@ -29,6 +29,7 @@ from jobs import (
 )
 
 from async_rlhf.buffer.redis_store import RedisStore
+from async_rlhf.buffer.run_scope import run_prefix
 from async_rlhf.buffer.testing import RedisServer
 from async_rlhf.driver.checkpoints import list_checkpoints, read_manifest
 
@@ -50,9 +51,10 @@ def buffer_at_last_checkpoint(run_dir: Path, url: str) -> bool:
     import redis
 
     client = redis.Redis.from_url(url)
+    prefix = run_prefix(run_dir, PREFIX)  # the run's own keys (issue 44, defect 4)
     try:
-        version = client.hget(f"{PREFIX}:meta", "version")
-        held = client.hlen(f"{PREFIX}:ids")
+        version = client.hget(f"{prefix}:meta", "version")
+        held = client.hlen(f"{prefix}:ids")
     finally:
         client.close()
     ckpts = list_checkpoints(run_dir)
@@ -60,9 +62,9 @@ def buffer_at_last_checkpoint(run_dir: Path, url: str) -> bool:
             and int(version) == read_manifest(ckpts[-1])["version"])
 
 
-def redis_state(url: str) -> dict[str, Any]:
-    """What the buffer keeps in Redis, read with the store the service itself recovers with."""
-    store = RedisStore(url, PREFIX)
+def redis_state(url: str, run_dir: Path) -> dict[str, Any]:
+    """What the run's buffer keeps in Redis, read with the store the service itself recovers with."""
+    store = RedisStore(url, run_prefix(run_dir, PREFIX))
     try:
         return {"held": {g.group_id for g in store.held()}, "delivered": set(store.delivered()),
                 "awaiting": set(store.awaiting()), "trained": set(store.trained()), "dropped": store.dropped(),
@@ -93,9 +95,9 @@ def redis_resumed(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
             kill_session(first.pid)
         first.wait(timeout=30)
         assert not session_pids(first.pid), "processes of the killed job survived"
-        at_kill = redis_state(server.url)
+        at_kill = redis_state(server.url, run_dir)
         resumed = resume_newest(work, run_dir, MORE_STEPS)
-        after = redis_state(server.url)
+        after = redis_state(server.url, run_dir)
     finally:
         server.stop()
     return {**resumed, "at_kill": at_kill, "after": after}
