@@ -11,7 +11,7 @@ never trained (in flight in a killed generator, or held in a memory buffer that 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
 P = TypeVar("P")
 
@@ -57,11 +57,26 @@ def keys_of_group(group_id: str) -> list[str]:
     return [prompt_key(gen, s) for s in range(seq - passed, seq + 1)]
 
 
+@runtime_checkable
+class PositionedSource(Protocol):
+    """A source that keeps its own positions (a Redis stream, ``prompts/redis_stream.py``): it cannot be replayed,
+    so a stream over it is continued with :meth:`seek` and re-issues with :meth:`recorded`; ``position`` is the
+    position of the prompt its ``next()`` returned last."""
+
+    position: int
+
+    def seek(self, start: int, skip: Iterable[int] = ()) -> None: ...
+
+    def recorded(self, positions: list[int]) -> list[Any]: ...
+
+
 class PromptStream(Generic[P]):
     """Yields ``(seq, problem)``: first the re-issued positions, then ``start + 1, start + 2, ...``.
 
     ``start`` is the number of prompts already drawn (positions 1..start); ``skip`` holds later positions
-    that must not be drawn again (already generated before a crash the driver noticed late).
+    that must not be drawn again (already generated before a crash the driver noticed late). A deterministic
+    stream is replayed up to ``start``; a :class:`PositionedSource` is never replayed: it continues after ``start``
+    from its own record (positions it drew beyond ``start`` come back first) and gives re-issued prompts from it.
     """
 
     def __init__(self, problems: Iterator[P], start: int = 0, reissue: Iterable[int] = (),
@@ -75,6 +90,14 @@ class PromptStream(Generic[P]):
         self._skip = set(int(s) for s in skip)
         self._replayed: list[tuple[int, P]] = []
         self.position = 0
+        self._positioned = isinstance(problems, PositionedSource)
+        if self._positioned:  # e.g. a Redis stream: read once, never replayed (issue 44, defect 3)
+            source: Any = problems
+            source.seek(start, self._skip)
+            self._replayed = [(seq, p) for seq, p in zip(wanted, source.recorded(wanted), strict=True)
+                              if p is not None]
+            self.position = start
+            return
         for seq in range(1, start + 1):  # replay the deterministic stream up to the resume point
             problem = next(self._problems)
             if wanted and seq == wanted[0]:
@@ -88,6 +111,10 @@ class PromptStream(Generic[P]):
     def __next__(self) -> tuple[int, P]:
         if self._replayed:
             return self._replayed.pop(0)
+        if self._positioned:  # the source numbers its prompts and passes over ``skip`` itself
+            problem = next(self._problems)
+            self.position = int(self._problems.position)  # type: ignore[attr-defined]
+            return self.position, problem
         while True:
             self.position += 1
             problem = next(self._problems)

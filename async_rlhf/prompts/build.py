@@ -34,5 +34,6 @@ def make_prompts(cfg: Config, env: Environment, seed: int, consumer: str,
     if p.source == "redis":
         from async_rlhf.prompts.redis_stream import RedisStreamPrompts
 
-        return RedisStreamPrompts(p.redis_url, p.stream, consumer, p.text_field)
+        # positions recorded per run (run.id): a fresh run on the same stream never re-issues an earlier run's
+        return RedisStreamPrompts(p.redis_url, p.stream, consumer, p.text_field, scope=cfg.run.id)
     raise ValueError(f"prompts.source={p.source!r} is not known; use task, file, python or redis")

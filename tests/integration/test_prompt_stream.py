@@ -37,3 +37,76 @@ def test_redis_stream_prompts_arrive_while_consumers_poll(tmp_path: Path):
         a.close(), b.close(), r.close()
     finally:
         server.stop()
+
+
+def _texts(items: list[tuple[int, Prompt]]) -> list[tuple[int, str]]:
+    return [(seq, p.text) for seq, p in items]
+
+
+def test_redis_prompts_survive_a_generator_restart_without_replay(tmp_path: Path):
+    """Issue 44, defect 3: a restarted generator (or a resume) continues a Redis stream from what Redis recorded,
+    never by reading and discarding ``start`` new entries. Its re-issued positions come back with their own prompts,
+    a position it drew that the driver never saw comes back under its key, and an empty stream means "nothing
+    ready" (no StopIteration), so every entry is trained once and none is eaten."""
+    from async_rlhf.generator.stream import PromptStream
+
+    server = RedisServer(tmp_path / "redis").start()
+    try:
+        push_prompts(server.url, "t:prompts", ROWS[:5])
+        first = PromptStream(RedisStreamPrompts(server.url, "t:prompts", "generator-0"))
+        assert first._problems.prefetch(3) == 3
+        drawn = [next(first) for _ in range(3)]  # positions 1, 2, 3 <- entries 0, 1, 2
+        assert _texts(drawn) == [(i + 1, ROWS[i]["prompt"]) for i in range(3)]
+        # the generator dies: the driver saw position 2 (not 3); 2 was trained, 1 was in flight (re-issued)
+        again = PromptStream(RedisStreamPrompts(server.url, "t:prompts", "generator-0"), start=2, reissue=[1])
+        source = again._problems
+        assert source.prefetch(10) == 3  # position 3 (drawn, never seen by the driver), then entries 3 and 4
+        got = [next(again) for _ in range(1 + 3)]
+        assert _texts(got) == [(1, ROWS[0]["prompt"]), (3, ROWS[2]["prompt"]), (4, ROWS[3]["prompt"]),
+                               (5, ROWS[4]["prompt"])]
+        assert source.prefetch(4) == 0  # an empty stream: nothing ready, the generator asks again later
+        push_prompts(server.url, "t:prompts", ROWS[5:6])
+        assert source.prefetch(4) == 1 and _texts([next(again)]) == [(6, ROWS[5]["prompt"])]
+        # a restart with nothing left in the stream: nothing is read to reach the position, no StopIteration
+        late = PromptStream(RedisStreamPrompts(server.url, "t:prompts", "generator-0"), start=6, reissue=[4])
+        assert _texts([next(late)]) == [(4, ROWS[3]["prompt"])] and late._problems.prefetch(2) == 0
+        # positions the buffer holds beyond the driver's position are skipped, never drawn again
+        skip = PromptStream(RedisStreamPrompts(server.url, "t:prompts", "generator-0"), start=3, skip=[4, 6])
+        assert skip._problems.prefetch(5) == 1 and _texts([next(skip)]) == [(5, ROWS[4]["prompt"])]
+    finally:
+        server.stop()
+
+
+def test_redis_prompt_positions_are_per_run_and_no_entry_read_is_lost(tmp_path: Path, monkeypatch):
+    """A fresh run (another ``run.id``) on the same stream starts at position 1 with new entries, never an earlier
+    run's records; an entry delivered to a consumer that died before recording it is drawn at its next start, or
+    claimed by another consumer once idle (it never comes back)."""
+    import redis
+
+    from async_rlhf.generator.stream import PromptStream
+    from async_rlhf.prompts import redis_stream
+
+    server = RedisServer(tmp_path / "redis").start()
+    r = redis.Redis.from_url(server.url)
+    try:
+        push_prompts(server.url, "t:p", ROWS[:4])
+        run_a = PromptStream(RedisStreamPrompts(server.url, "t:p", "generator-0", scope="a"))
+        assert run_a._problems.prefetch(2) == 2 and _texts([next(run_a)]) == [(1, ROWS[0]["prompt"])]
+        run_b = PromptStream(RedisStreamPrompts(server.url, "t:p", "generator-0", scope="b"))
+        assert run_b._problems.prefetch(1) == 1 and _texts([next(run_b)]) == [(1, ROWS[2]["prompt"])]
+        # generator-1 reads an entry and dies before recording it: delivered, not acknowledged
+        r.xreadgroup(redis_stream.GROUP, "generator-1", {"t:p": ">"}, count=1)
+        assert r.xpending("t:p", redis_stream.GROUP)["pending"] == 1
+        again = PromptStream(RedisStreamPrompts(server.url, "t:p", "generator-1", scope="b"))
+        assert again._problems.prefetch(3) == 1 and _texts([next(again)]) == [(1, ROWS[3]["prompt"])]
+        assert r.xpending("t:p", redis_stream.GROUP)["pending"] == 0
+        # generator-2 dies the same way and never comes back: generator-0 claims its entry once it is idle
+        push_prompts(server.url, "t:p", ROWS[4:5])
+        r.xreadgroup(redis_stream.GROUP, "generator-2", {"t:p": ">"}, count=1)
+        monkeypatch.setattr(redis_stream, "CLAIM_IDLE_S", 0.0)
+        other = PromptStream(RedisStreamPrompts(server.url, "t:p", "generator-0", scope="b"), start=1)
+        assert other._problems.prefetch(3) == 1 and _texts([next(other)]) == [(2, ROWS[4]["prompt"])]
+        assert r.xpending("t:p", redis_stream.GROUP)["pending"] == 0
+    finally:
+        r.close()
+        server.stop()
