@@ -129,7 +129,11 @@ def build_config(args: argparse.Namespace):
 
     check_run_dir(cfg.run.dir, bool(args.resume), cfg.run.overwrite)
     if args.resume:
-        step = read_manifest(args.checkpoint)["step"]
+        from async_rlhf.driver.progress import check_learners
+
+        manifest = read_manifest(args.checkpoint)
+        check_learners(manifest, cfg, args.checkpoint)  # before anything starts, not once the ranks are up
+        step = manifest["step"]
         if cfg.train.steps <= step:
             raise _config_error(f"--resume {args.resume}: the checkpoint is at step {step} and train.steps is "
                                 f"{cfg.train.steps}; raise train.steps to continue")

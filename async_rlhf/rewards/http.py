@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
+from async_rlhf.config.secrets import mask_url
 from async_rlhf.env.base import Prompt
 from async_rlhf.rewards.base import Completion, RewardError, RewardSource, check_rewards
 
@@ -29,7 +30,7 @@ CLOSE_TIMEOUT_S = 5.0
 def check_url(url: str) -> None:
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise RewardError(f"scorer url {url!r} must be http://host[:port]/path or https://...")
+        raise RewardError(f"scorer url {mask_url(url)!r} must be http://host[:port]/path or https://...")
 
 
 class JsonPoster:
@@ -39,6 +40,7 @@ class JsonPoster:
     def __init__(self, url: str, timeout_s: float) -> None:
         check_url(url)
         self.url, self.timeout_s = url, timeout_s
+        self.shown = mask_url(url)  # what messages name: never the password
         self._client: Any = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -84,16 +86,16 @@ class JsonPoster:
         try:
             response = await self._client_for_this_loop().post(self.url, json=payload)
         except httpx.TimeoutException as exc:
-            raise RewardError(f"scorer {self.url} failed: TimeoutError after {self.timeout_s:g} s "
+            raise RewardError(f"scorer {self.shown} failed: TimeoutError after {self.timeout_s:g} s "
                               f"({type(exc).__name__}); raise rewards.timeout_s if it is just slow") from None
         except httpx.HTTPError as exc:
-            raise RewardError(f"scorer {self.url} failed: {type(exc).__name__} {exc}") from None
+            raise RewardError(f"scorer {self.shown} failed: {type(exc).__name__} {exc}") from None
         if response.status_code != 200:
-            raise RewardError(f"scorer {self.url} answered HTTP {response.status_code} {response.reason_phrase}")
+            raise RewardError(f"scorer {self.shown} answered HTTP {response.status_code} {response.reason_phrase}")
         try:
             return response.json()
         except ValueError as exc:
-            raise RewardError(f"scorer {self.url} answered something that is not JSON: {exc}") from None
+            raise RewardError(f"scorer {self.shown} answered something that is not JSON: {exc}") from None
 
 
 def request_body(prompt: Prompt, completions: Sequence[str]) -> dict[str, object]:
@@ -113,6 +115,7 @@ class HttpScorer(RewardSource):
 
     def __init__(self, url: str, timeout_s: float = 30.0) -> None:
         self.url = url
+        self.shown = mask_url(url)  # what messages name: never the password
         self.timeout_s = timeout_s
         self._poster: JsonPoster | None = None
 
@@ -121,8 +124,8 @@ class HttpScorer(RewardSource):
             self._poster = JsonPoster(self.url, self.timeout_s)
         answer = await self._poster.post(request_body(prompt, completions))
         if not isinstance(answer, dict) or "rewards" not in answer:
-            raise RewardError(f"scorer {self.url} answered {answer!r:.80}; expected {{\"rewards\": [...]}}")
-        return check_rewards(answer["rewards"], len(completions), f"scorer {self.url}")
+            raise RewardError(f"scorer {self.shown} answered {answer!r:.80}; expected {{\"rewards\": [...]}}")
+        return check_rewards(answer["rewards"], len(completions), f"scorer {self.shown}")
 
     def close(self) -> None:
         if self._poster is not None:

@@ -127,3 +127,13 @@ def test_no_config_error_echoes_a_password() -> None:
         with pytest.raises(ConfigError) as err:
             load_config(None, overrides)
         assert PASSWORD not in str(err.value), str(err.value)
+
+
+def test_http_scorer_errors_never_name_the_password() -> None:
+    from async_rlhf.rewards.base import RewardError
+    from async_rlhf.rewards.http import JsonPoster, check_url
+
+    with pytest.raises(RewardError) as err:
+        check_url("ftp://user:hunter2@scorer.internal/score")
+    assert "hunter2" not in str(err.value) and "***" in str(err.value)
+    assert "hunter2" not in JsonPoster("https://user:hunter2@scorer.internal/score", 5.0).shown
