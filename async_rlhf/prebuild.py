@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -82,8 +83,23 @@ def load_ops(report: Callable[[str, str], None] | None = None) -> dict[str, bool
     built = op_is_built(builder)
     if report is not None:
         report("op load" if built else "op build", "shm_comm")
-    builder.load(verbose=False)  # DeepSpeed's later build_shm_op() finds it loaded (its _loaded_ops)
+    t0 = time.perf_counter()
+    module = builder.load(verbose=False)  # DeepSpeed's later build_shm_op() finds it loaded (its _loaded_ops)
+    quiet_shm_op(module)
+    logging.getLogger(__name__).info("DeepSpeed %s %s in %.1f s", builder.NAME, "loaded (built earlier)" if built
+                                     else "built and loaded", time.perf_counter() - t0)
     return {builder.NAME: not built}
+
+
+def quiet_shm_op(module: Any) -> None:
+    """Have DeepSpeed's communication backend take the op :func:`load_ops` loaded without its own line: its
+    ``build_shm_op`` prints "DeepSpeed ... built successfully" on every load, a cached one included (what was
+    built and when is said by :func:`load_ops` and the start-up phase it reports)."""
+    import importlib
+
+    ds_torch = importlib.import_module("deepspeed.comm.torch")  # (``import ... as`` would bind deepspeed.comm's torch)
+    if callable(getattr(ds_torch, "build_shm_op", None)):
+        ds_torch.build_shm_op = lambda: module
 
 
 def warm_vllm_model_info(architectures: tuple[str, ...] = ARCHITECTURES) -> list[str]:

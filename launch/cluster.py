@@ -191,7 +191,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             import ray
 
-            ray.init(address=args.address)  # joining: nothing but the address (Ray refuses resource arguments)
+            from async_rlhf.run_logs import forward_role_output
+
+            # joining: nothing but the address (Ray refuses resource arguments) and whether roles print here
+            ray.init(address=args.address, log_to_driver=forward_role_output(cfg))
             check_fits(plan, ray.cluster_resources(), f"the Ray cluster at {args.address}")
             if args.dry_run:
                 from async_rlhf.driver.placement import assign_to_nodes, format_nodes
@@ -212,12 +215,13 @@ def main(argv: list[str] | None = None) -> int:
     from async_rlhf.driver.runner import run
 
     try:
-        run(cfg, address=args.address, resume=args.checkpoint, stop=stop_on_signals(), lock=lock)
+        run(cfg, address=args.address, resume=args.checkpoint, stop=stop_on_signals(), lock=lock, console=True)
     except Exception as exc:  # a role failed mid-run: the job has stopped its actors; say how to go on
         from async_rlhf.driver.checkpoints import list_checkpoints
         from async_rlhf.driver.cluster import NodeSetupError
         from async_rlhf.driver.fleet import RunFailure
         from async_rlhf.driver.runner import LearnerFailure
+        from async_rlhf.run_logs import console_stderr
 
         trace = Path(cfg.run.dir) / "error.log"  # the whole traceback, for whoever debugs it
         trace.parent.mkdir(parents=True, exist_ok=True)
@@ -227,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         done = list_checkpoints(cfg.run.dir)
         hint = f"resume with --resume {done[-1]}" if done else "no checkpoint was written (run.checkpoint_every)"
         print(f"error: the run stopped: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}; "
-              f"{hint} (traceback in {trace})", file=sys.stderr)
+              f"{hint} (traceback in {trace})", file=console_stderr())
         return 1
     return 0
 

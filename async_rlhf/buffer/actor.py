@@ -10,6 +10,9 @@ from async_rlhf.config import Config
 
 class BufferActor:
     def __init__(self, cfg: Config) -> None:
+        from async_rlhf.run_logs import to_role_log
+
+        to_role_log(cfg, "buffer")
         self.service = build_service(cfg).start()
 
     def address(self) -> str:

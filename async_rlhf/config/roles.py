@@ -185,6 +185,10 @@ class RunConfig(Section):
     overwrite: bool = False
     """Start afresh in a run.dir that holds a previous run (its files are deleted first); without it a
     non-empty run.dir is refused unless --resume continues it."""
+    verbose: bool = False
+    """Show on the console what the roles and their libraries print (vLLM, DeepSpeed, Ray, warnings), as well as
+    writing it to run.dir/logs/; off, the console shows only the launcher's own lines (ASYNC_RLHF_VERBOSE=1 in the
+    launcher's environment does the same as true)."""
     fork_workers: bool = True
     """Start the generators' and learner ranks' Ray workers as children of a process per node that has
     already imported PyTorch, transformers, vLLM and DeepSpeed (async_rlhf/startup/forkserver.py): a role

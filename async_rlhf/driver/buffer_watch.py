@@ -98,10 +98,12 @@ class BufferWatch:
 
     def _dead(self, exc: Exception) -> None:
         from async_rlhf.driver.fleet import RunFailure
+        from async_rlhf.run_logs import role_log_note
 
         if self.cluster.cfg.buffer.store == "redis":
             kept = (f"restarted {self.restarts} time(s), run.buffer_max_restarts="
                     f"{self.cluster.cfg.run.buffer_max_restarts}; the Redis store keeps its groups for --resume")
         else:
             kept = "the groups it held in memory are lost (buffer.store=redis survives this)"
-        raise RunFailure(f"the buffer actor died ({type(exc).__name__}); {kept}") from exc
+        note = role_log_note(self.cluster.cfg.run.dir, "buffer")
+        raise RunFailure(f"the buffer actor died ({type(exc).__name__}; {note}); {kept}") from exc

@@ -57,7 +57,11 @@ def heldout_accuracy(model_dir: str, cfg: Config) -> float:
 
 
 def timed_heldout_accuracy(model_dir: str, cfg: Config) -> tuple[float, float]:
-    """:func:`heldout_accuracy` and the seconds it took (what ``Cluster.heldout`` runs as a Ray task)."""
+    """:func:`heldout_accuracy` and the seconds it took (what ``Cluster.heldout`` runs as a Ray task: its worker's
+    output, the "nanobind: leaked ..." lines of its exit included, goes to run.dir/logs/heldout.log)."""
+    from async_rlhf.run_logs import to_role_log
+
+    to_role_log(cfg, "heldout")
     t0 = time.time()
     return heldout_accuracy(model_dir, cfg), time.time() - t0
 
@@ -188,6 +192,7 @@ class Cluster:
         from async_rlhf.endpoints import NETWORK_ENV, make_run_keys, run_keys_env, use_node_addresses
         from async_rlhf.generator.actor import GeneratorActor
         from async_rlhf.rewards.model import start_reward_models
+        from async_rlhf.run_logs import forward_role_output
         from async_rlhf.startup.phases import FIRST_PUSH
 
         t0 = time.time()
@@ -203,11 +208,11 @@ class Cluster:
         environment, files and cores)."""
         if not ray.is_initialized():
             if address:  # joining: Ray refuses resource arguments for a cluster it did not start
-                ray.init(address=address)
+                ray.init(address=address, log_to_driver=forward_role_output(cfg))
             else:  # locally, room for the plan plus a few generators added by `scale` (roles share the cores)
                 local_cpus = cfg.run.num_cpus or max(os.cpu_count() or 1, int(self.plan.totals()["CPU"] + 0.999)
                                                      + 4 * int(res.generator_cpus + 0.999))
-                start_local_ray(local_cpus, {"TOKENIZERS_PARALLELISM": "false"})
+                start_local_ray(local_cpus, {"TOKENIZERS_PARALLELISM": "false"}, log_to_driver=forward_role_output(cfg))
                 self.own_ray = True
         alive = sum(1 for n in ray.nodes() if n.get("Alive"))
         self.across_nodes = use_node_addresses(cfg.run.network, alive)

@@ -235,6 +235,8 @@ class Fleet:
         """Apply a pending scale request and handle generators whose run() ended."""
         import ray
 
+        from async_rlhf.run_logs import role_log_note
+
         with self._lock:
             target, self._target = self._target, None
         if target is not None:
@@ -253,7 +255,8 @@ class Fleet:
                 continue
             except ray.exceptions.RayTaskError as exc:  # run() raised: a restart would raise the same
                 cause = exc.cause if exc.cause is not None else exc
-                raise RunFailure(f"generator {gen}: {type(cause).__name__}: {cause}") from exc
+                note = role_log_note(self.cluster.cfg.run.dir, f"generator-{gen}")
+                raise RunFailure(f"generator {gen} ({note}): {type(cause).__name__}: {cause}") from exc
             if gen in self.draining:  # scaled down: every group it started is in the buffer now
                 handle = self.draining.pop(gen)
                 self.ledger.observe_position(gen, int(self.final_stats[gen].get("position", 0)))
@@ -361,8 +364,13 @@ class Fleet:
                 continue
             try:
                 self.final_stats[gen] = ray.get(ref)
-            except ray.exceptions.RayError as exc:
-                log.error("generator %d ended with %s", gen, exc)
+            except ray.exceptions.RayError as exc:  # one line: the cause and the generator's log
+                from async_rlhf.run_logs import role_log_note
+
+                cause = getattr(exc, "cause", None) or exc
+                log.error("generator %d ended with %s: %s (%s)", gen, type(cause).__name__,
+                          (str(cause).strip().splitlines() or [""])[0],
+                          role_log_note(self.cluster.cfg.run.dir, f"generator-{gen}"))
         self.runs.clear()
         for gen, s in self.final_stats.items():
             self.ledger.observe_position(gen, int(s.get("position", 0)))

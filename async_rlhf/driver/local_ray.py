@@ -46,12 +46,13 @@ seen on a loaded 2-core machine (two stacks starting beside it), where the same 
 processes beside it."""
 
 
-def start_local_ray(num_cpus: int, env_vars: dict[str, str], attempts: int = 3) -> None:
+def start_local_ray(num_cpus: int, env_vars: dict[str, str], attempts: int = 3, log_to_driver: bool = True) -> None:
     """A Ray of this process's own (``address="local"``: never one an earlier ``ray start`` left in
     /tmp/ray/ray_current_cluster), ``num_cpus`` logical CPUs, ``env_vars`` in every worker, no prestarted
-    workers. A start that timed out (:data:`START_TIMED_OUT`) has its processes stopped (by pid: the children this
-    call started) and is tried again, up to ``attempts`` starts. The module docstring says what
-    :data:`LOCAL_RAY_ENV` changes."""
+    workers; ``log_to_driver=False``: the workers' output is not printed by this process (a run's roles write
+    their own logs, async_rlhf/run_logs.py). A start that timed out (:data:`START_TIMED_OUT`) has its processes
+    stopped (by pid: the children this call started) and is tried again, up to ``attempts`` starts. The module
+    docstring says what :data:`LOCAL_RAY_ENV` changes."""
     import ray
 
     for key, value in LOCAL_RAY_ENV.items():
@@ -59,7 +60,7 @@ def start_local_ray(num_cpus: int, env_vars: dict[str, str], attempts: int = 3) 
     for attempt in range(1, attempts + 1):
         before = child_pids()
         try:
-            ray.init(address="local", include_dashboard=False, log_to_driver=True, num_cpus=num_cpus,
+            ray.init(address="local", include_dashboard=False, log_to_driver=log_to_driver, num_cpus=num_cpus,
                      runtime_env={"env_vars": env_vars})
             return
         except Exception as exc:

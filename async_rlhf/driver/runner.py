@@ -192,7 +192,10 @@ def train(cfg: Config, cluster: Cluster, run_dir: Path, resume: Path | None = No
         if not failed:
             raise
         print(progress.failure_hint(), flush=True)
-        raise LearnerFailure(failed) from exc
+        from async_rlhf.run_logs import role_log_note
+
+        raise LearnerFailure({r: f"{why}; {role_log_note(run_dir, f'learner-{r}')}" for r, why in failed.items()}
+                             ) from exc
     finally:
         if control is not None:
             control.close()
@@ -326,13 +329,15 @@ def heldout_task_failure(exc: BaseException) -> RuntimeError:
 
 
 def run(cfg: Config, address: str | None = None, cache_root: Path = Path("runs/cache"),
-        resume: Path | None = None, stop: threading.Event | None = None, lock: Any = None) -> dict[str, Any]:
+        resume: Path | None = None, stop: threading.Event | None = None, lock: Any = None,
+        console: bool = False) -> dict[str, Any]:
     """Everything ``launch/cluster.py`` does after validation; returns the summary it writes.
 
     ``resume``: a committed checkpoint (``async_rlhf.driver.checkpoints.resolve_resume``) to continue from;
     ``stop``: set to end the run early (the launcher's SIGINT/SIGTERM handler), with a checkpoint and summary;
     ``lock``: the run directory's lock the caller already holds (:func:`async_rlhf.driver.run_lock.hold_run_dir`),
-    else this call takes it, and releases it at its end.
+    else this call takes it, and releases it at its end; ``console``: this process is the launcher's, its terminal
+    keeps only the launcher's own lines once run.dir exists (:func:`async_rlhf.run_logs.quiet_driver`).
     """
     from async_rlhf.config import make_paths_absolute
     from async_rlhf.driver.run_lock import hold_run_dir
@@ -341,14 +346,14 @@ def run(cfg: Config, address: str | None = None, cache_root: Path = Path("runs/c
     own_lock = lock is None
     lock = hold_run_dir(cfg.run.dir) if own_lock else lock  # before anything in the directory changes
     try:
-        return _run_locked(cfg, address, cache_root, resume, stop)
+        return _run_locked(cfg, address, cache_root, resume, stop, console)
     finally:
         if own_lock:
             lock.release()
 
 
 def _run_locked(cfg: Config, address: str | None, cache_root: Path, resume: Path | None,
-                stop: threading.Event | None) -> dict[str, Any]:
+                stop: threading.Event | None, console: bool = False) -> dict[str, Any]:
     from async_rlhf.driver.checkpoints import check_run_dir, clear_run_dir, set_aside_newer
     from async_rlhf.driver.reference import check_reference, read_reference, write_reference
     from async_rlhf.driver.stopping import catch_stop_signals
@@ -367,6 +372,10 @@ def _run_locked(cfg: Config, address: str | None, cache_root: Path, resume: Path
     cfg.run.id = run_id_for(run_dir, resume)
     (run_dir / "config.json").write_text(cfg.to_json())
     t0 = time.time()
+    if console:  # the first line names run.dir/logs; from here the roles' and libraries' output goes there
+        from async_rlhf.run_logs import quiet_driver
+
+        quiet_driver(cfg)
     early = start_early_fork_servers(cfg, address)  # their imports overlap the model's resolution and Ray's start
     recorded = read_reference(run_dir) if resume is not None else None
     if resume is not None:

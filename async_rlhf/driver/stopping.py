@@ -28,14 +28,15 @@ def catch_stop_signals(stop: threading.Event) -> None:
     summary); a second one raises KeyboardInterrupt. Installed again once Ray is up: ``ray.init`` replaces the
     driver's SIGTERM handler with one that exits at once."""
     import signal
-    import sys
+
+    from async_rlhf.run_logs import console_stderr
 
     def handler(signum: int, frame: Any) -> None:
         if stop.is_set():
             raise KeyboardInterrupt
         stop.set()
         print(f"{signal.Signals(signum).name}: stopping after the learners' current step with a checkpoint and "
-              "summary.json (send it again to abort without them)", file=sys.stderr, flush=True)
+              "summary.json (send it again to abort without them)", file=console_stderr(), flush=True)
 
     signal.signal(signal.SIGINT, handler)
     signal.signal(signal.SIGTERM, handler)

@@ -56,6 +56,9 @@ log = logging.getLogger(__name__)
 
 class GeneratorActor(LoopPhases):
     def __init__(self, gen_id: int, cfg: Config, model_path: str, buffer_address: str) -> None:
+        from async_rlhf.run_logs import to_role_log
+
+        to_role_log(cfg, f"generator-{gen_id}")  # first: what vLLM prints goes to run.dir/logs, not the console
         from async_rlhf.startup import phases
         from async_rlhf.startup.reporter import StartupReporter
 

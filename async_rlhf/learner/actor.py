@@ -48,6 +48,9 @@ class LearnerActor:
                  master_port: int, buffer_address: str, reference_path: str | None = None) -> None:
         """``model_path``: the policy to start from (a resumed run's checkpoint policy); ``reference_path``: the
         frozen reference (KL, DPO), the model the run first started from (default: ``model_path``)."""
+        from async_rlhf.run_logs import to_role_log
+
+        to_role_log(cfg, f"learner-{rank}")  # first: what DeepSpeed prints goes to run.dir/logs, not the console
         from async_rlhf.startup import phases
         from async_rlhf.startup.reporter import StartupReporter
 

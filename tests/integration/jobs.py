@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -20,6 +21,20 @@ from async_rlhf.generator.stream import key_of_group, keys_of_group
 
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCH = [sys.executable, str(ROOT / "launch" / "cluster.py")]
+
+
+OUR_LINES = re.compile(
+    r"(logs: |start-up[ :]|step +\d+/\d+ \||started \d+ generator|policy |held-out |no held-out figure|task\.name=|"
+    r"checkpoint |resumed |resuming |buffer kept |stopping on |SIG[A-Z]+: stopping|stalled: |error: |warning: |"
+    r"a learner failed|"
+    r"\d+ finished prompt group|\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ (WARNING|ERROR) (async_rlhf|launch)[.:])")
+"""What the launcher itself prints on the console (async_rlhf/run_logs.py): its first line, start-up progress,
+the progress line, held-out figures, checkpoints, stops, our loggers' warnings and errors, the closing line."""
+
+
+def foreign_lines(console: str) -> list[str]:
+    """The console's lines the launcher did not print itself (the roles' and libraries' go to run.dir/logs)."""
+    return [line for line in console.splitlines() if line.strip() and not OUR_LINES.match(line)]
 
 
 def start_job(work: Path, log_name: str, args: list[str], ray_address: str | None = None) -> subprocess.Popen:

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from jobs import job_args, kill_session, start_job
+from jobs import foreign_lines, job_args, kill_session, start_job
 
 pytestmark = pytest.mark.integration
 
@@ -39,6 +39,9 @@ def test_a_reward_that_always_fails_stops_the_run_naming_the_source(tmp_path: Pa
     assert len(errors) == 1, errors
     assert re.search(r"reward source\(s\) 'function' failed \d+ times in a row .*max_consecutive_failures=5", errors[0])
     assert "the scorer is down" in errors[0], errors[0]
+    log = tmp_path / "run" / "logs" / "generator-0.log"  # the failing role's log, named on the console
+    assert f"log: {log}" in errors[0] and log.is_file(), errors[0]
+    assert foreign_lines(out) == [], out[-3000:]
     print(f"stopped {took:.0f} s after the launch: {errors[0]}")
 
 

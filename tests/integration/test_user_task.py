@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
-from jobs import LAUNCH, kill_session, learner_records, start_job, wait_until
+from jobs import LAUNCH, foreign_lines, kill_session, learner_records, start_job, wait_until
 
 from async_rlhf.driver.checkpoints import list_checkpoints, read_manifest
 
@@ -98,6 +98,18 @@ def test_sigint_ends_the_run_with_a_checkpoint_and_the_steps_done(stopped_run: d
     assert (run_dir / "policy" / "config.json").is_file()
     print(f"first step {stopped_run['first_step_s']:.0f} s after the launch; SIGINT at step >= 5, stopped after "
           f"step {summary['steps']} ({summary['stop_reason']})")
+
+
+def test_the_console_shows_only_the_launchers_lines(stopped_run: dict) -> None:
+    """What the roles and their libraries print (vLLM, DeepSpeed, Ray, warnings) is in run.dir/logs, one file per
+    role, named by the console's first line; the console holds only the launcher's own lines."""
+    log, logs = stopped_run["log"], stopped_run["run_dir"] / "logs"
+    assert log.splitlines()[0].startswith(f"logs: {logs} "), log[:500]
+    assert foreign_lines(log) == [], log[-3000:]
+    for name in ("buffer", "generator-0", "learner-0"):  # each opened by its role's process
+        assert (logs / f"{name}.log").read_text().startswith("== "), sorted(p.name for p in logs.iterdir())
+    assert (logs / "driver.log").is_file()
+    assert "built successfully" not in (logs / "learner-0.log").read_text(), "the op was loaded, not built"
 
 
 def test_the_held_out_figure_is_the_users_eval_set(stopped_run: dict) -> None:
