@@ -80,15 +80,19 @@ def durability_warnings(client: Any) -> list[str]:
     return out
 
 
-def earlier_runs(client: Any, prefix: str, run_id: str, limit: int = 100) -> list[str]:
+def earlier_runs(client: Any, prefix: str, run_id: str, limit: int = 100, max_scans: int = 64) -> list[str]:
     """Buffer states of other runs under ``prefix`` (their meta keys; at most ``limit``): left alone, named in a
-    notice so that whoever owns the Redis can delete them."""
+    notice so that whoever owns the Redis can delete them. SCAN walks the whole keyspace: at most ``max_scans``
+    pages of it are read (a shared Redis with millions of keys is not walked at every start)."""
     own = f"{scoped_prefix(prefix, run_id)}:meta"
     found: list[str] = []
-    for key in client.scan_iter(match=f"{prefix}:*meta", count=1000):
-        name = key.decode() if isinstance(key, bytes) else str(key)
-        if name != own and name.endswith(":meta"):
-            found.append(name)
-            if len(found) >= limit:
-                break
-    return sorted(found)
+    cursor = 0
+    for _ in range(max_scans):
+        cursor, keys = client.scan(cursor, match=f"{prefix}:*meta", count=1000)
+        for key in keys:
+            name = key.decode() if isinstance(key, bytes) else str(key)
+            if name != own and name.endswith(":meta"):
+                found.append(name)
+        if not cursor or len(found) >= limit:
+            break
+    return sorted(found)[:limit]
