@@ -186,6 +186,8 @@ class Fleet:
         (``generator/lanes.py``): every record of the epoch once, whatever the fleet sizes (issue 44, defect 7)."""
         cfg = self.cluster.cfg
         layout = self.ledger.layout
+        if cfg.prompts.source == "redis":
+            self._requeue_gone(in_buffer)
         if layout is None or (layout.lanes != cfg.generators and cfg.prompts.source not in ("file", "python")):
             # a fresh run; or a source without strides (the task's own draws per generator, a Redis stream)
             self.ledger.layout = Layout.default(cfg.generators) if layout is None else replace(
@@ -200,6 +202,37 @@ class Fleet:
               f"{layout.lanes}: {relaid.moved} prompt(s) the old fleet left open or never reached are dealt to the "
               "new fleet first" + (f"; {relaid.abandoned} open prompt(s) of generators beyond the old fleet (their "
                                    "own shuffle) are not issued again" if relaid.abandoned else ""), flush=True)
+
+    def _requeue_gone(self, in_buffer: list[str]) -> None:
+        """A resume on fewer generators with a Redis prompt stream: what the generators it no longer runs drew and
+        nobody trained goes back to the stream as new entries (``requeue_drawn``), drawn by the new fleet; their
+        old keys count as used up. Without it those prompts were never issued again (eaten)."""
+        from async_rlhf.driver.prompt_ledger import split_key
+        from async_rlhf.generator.stream import keys_of_group
+        from async_rlhf.prompts.redis_stream import requeue_drawn
+
+        p = self.cluster.cfg.prompts
+        gone = sorted(g for g in self.ledger.positions if g >= self.cluster.cfg.generators)
+        held: dict[int, set[int]] = {}
+        for key in (k for gid in in_buffer for k in keys_of_group(gid)):
+            gen, seq = split_key(key)
+            held.setdefault(gen, set()).add(seq)
+        total = 0
+        for g in gone:
+            position = self.ledger.positions[g]
+            ahead = self.ledger.ahead.get(g, set())
+            given, top = requeue_drawn(p.redis_url, p.stream, client_name(g), self.cluster.cfg.run.id,
+                                       self.ledger.outstanding.get(g, set()), position, held.get(g, set()) | ahead)
+            # the ledger sees every recorded position as drawn; those given back are used up, the held ones stay
+            # outstanding until the buffer's copies are trained
+            self.ledger.observe_position(g, top)
+            self.ledger.outstanding[g] = self.ledger.outstanding.get(g, set()) - set(given)
+            total += len(given)
+        if total:
+            self.events.append({"event": "requeued", "time": time.time(), "prompts": total, "generators": gone})
+            print(f"resumed on {self.cluster.cfg.generators} generator(s): {total} prompt(s) that generator(s) "
+                  f"{', '.join(map(str, gone))} drew and nobody trained went back to the Redis stream {p.stream} "
+                  "as new entries", flush=True)
 
     def _buffer_keys(self, gens: Iterable[int], trained: bool = True) -> list[str]:
         """Groups of generators ``gens`` the buffer holds, has delivered or (``trained``) saw trained: never

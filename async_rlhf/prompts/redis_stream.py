@@ -99,7 +99,7 @@ class RedisStreamPrompts(PromptSource):
 
     def recorded(self, positions: list[int]) -> list[Prompt | None]:
         """The prompts recorded at ``positions`` (re-issued ones); None where none is recorded (the record was lost:
-        Redis kept nothing on disk), said in the log."""
+        Redis kept nothing on disk, said in the log) or where it was given back to the stream (``requeue_drawn``)."""
         if not positions:
             return []
         out: list[Prompt | None] = []
@@ -107,6 +107,8 @@ class RedisStreamPrompts(PromptSource):
             if raw is None:
                 log.error("prompt stream %s: position %d of %s has no record in %s (lost with Redis data?): it "
                           "cannot be issued again", self.stream, seq, self.consumer, self.k_drawn)
+                out.append(None)
+            elif json.loads(raw).get("requeued"):  # given back to the stream (requeue_drawn): drawn anew elsewhere
                 out.append(None)
             else:
                 out.append(_decode(json.loads(raw)["f"], self.text_field))
@@ -205,3 +207,42 @@ def push_prompts(url: str, stream: str, prompts: Iterable[Prompt | str | Mapping
     finally:
         r.close()
     return count
+
+
+def requeue_drawn(url: str, stream: str, consumer: str, scope: str, open_positions: Iterable[int], position: int,
+                  keep: Iterable[int] = ()) -> tuple[list[int], int]:
+    """Give back to the stream, as new entries, the prompts ``consumer`` drew that nobody trained: a generator a
+    resume no longer runs (fewer ``--generators``). Its positions would otherwise never be issued again: the
+    positions ``open_positions`` (outstanding in the driver's ledger) and those recorded beyond ``position`` (drawn,
+    never seen by the driver), less ``keep`` (a durable buffer holds them: trained under their own keys).
+
+    Each requeued record is marked in the same transaction as its new entry, so a resume that dies and runs again
+    requeues nothing twice; a marked position counts as given back. Returns the positions given back (now or
+    before) and the consumer's last recorded position."""
+    import redis
+
+    r = redis.Redis.from_url(url)
+    try:
+        key = drawn_key(stream, consumer, scope)
+        top = int(r.hget(key, TOP) or 0)
+        wanted = sorted((set(int(s) for s in open_positions) | set(range(position + 1, top + 1)))
+                        - set(int(s) for s in keep))
+        if not wanted:
+            return [], top
+        given: list[int] = []
+        pipe = r.pipeline(transaction=True)
+        for seq, raw in zip(wanted, r.hmget(key, [str(s) for s in wanted]), strict=True):
+            if raw is None:
+                log.error("prompt stream %s: position %d of %s has no record in %s (lost with Redis data?): it "
+                          "cannot be given back", stream, seq, consumer, key)
+                continue
+            rec = json.loads(raw)
+            given.append(seq)
+            if rec.get("requeued"):
+                continue
+            pipe.xadd(stream, rec["f"])
+            pipe.hset(key, str(seq), json.dumps({**rec, "requeued": True}))
+        pipe.execute()
+        return given, top
+    finally:
+        r.close()

@@ -110,3 +110,34 @@ def test_redis_prompt_positions_are_per_run_and_no_entry_read_is_lost(tmp_path: 
     finally:
         r.close()
         server.stop()
+
+
+def test_prompts_of_a_generator_a_resume_drops_go_back_to_the_stream(tmp_path: Path):
+    """A resume on fewer generators: what the dropped generator drew and nobody trained (outstanding in the
+    driver's ledger, or drawn and never seen) goes back to the stream as new entries, once, and the dropped
+    generator's own record no longer gives them out; what a durable buffer holds stays where it is."""
+    from async_rlhf.generator.stream import PromptStream
+    from async_rlhf.prompts.redis_stream import requeue_drawn
+
+    server = RedisServer(tmp_path / "redis").start()
+    try:
+        push_prompts(server.url, "t:prompts", ROWS[:5])
+        gone = PromptStream(RedisStreamPrompts(server.url, "t:prompts", "generator-1", scope="r1"))
+        assert gone._problems.prefetch(4) == 4
+        assert _texts([next(gone) for _ in range(4)]) == [(i + 1, ROWS[i]["prompt"]) for i in range(4)]
+        # the driver saw position 3: 1 trained, 2 outstanding, 3 held by the buffer; 4 drawn, never seen
+        given, top = requeue_drawn(server.url, "t:prompts", "generator-1", "r1", {2, 3}, 3, keep={3})
+        assert (given, top) == ([2, 4], 4)
+        again, _ = requeue_drawn(server.url, "t:prompts", "generator-1", "r1", {2, 3}, 3, keep={3})
+        assert again == [2, 4]  # given back before: counted, not added to the stream twice
+        stays = PromptStream(RedisStreamPrompts(server.url, "t:prompts", "generator-0", scope="r1"))
+        assert stays._problems.prefetch(10) == 3  # entry 4 (never drawn), then the two given back
+        assert sorted(p.text for _, p in (next(stays) for _ in range(3))) == sorted(
+            [ROWS[4]["prompt"], ROWS[1]["prompt"], ROWS[3]["prompt"]])
+        assert stays._problems.prefetch(10) == 0
+        # generator 1 comes back later in the run (a scale-up): its given-back positions are not issued again
+        back = PromptStream(RedisStreamPrompts(server.url, "t:prompts", "generator-1", scope="r1"), start=3,
+                            reissue=[2], skip=[3])
+        assert back._problems.prefetch(10) == 0 and back.reissue_left == 0
+    finally:
+        server.stop()
