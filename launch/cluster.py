@@ -191,10 +191,12 @@ def main(argv: list[str] | None = None) -> int:
         else:
             import ray
 
-            from async_rlhf.run_logs import forward_role_output
+            from async_rlhf.run_logs import forward_role_output, is_verbose
 
-            # joining: nothing but the address (Ray refuses resource arguments) and whether roles print here
-            ray.init(address=args.address, log_to_driver=forward_role_output(cfg))
+            # joining: nothing but the address (Ray refuses resource arguments), whether roles print here, and
+            # Ray's warnings only (its "Connecting to existing Ray cluster" would precede the run's first line)
+            ray.init(address=args.address, log_to_driver=forward_role_output(cfg),
+                     logging_level=logging.INFO if is_verbose(cfg) else logging.WARNING)
             check_fits(plan, ray.cluster_resources(), f"the Ray cluster at {args.address}")
             if args.dry_run:
                 from async_rlhf.driver.placement import assign_to_nodes, format_nodes
