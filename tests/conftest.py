@@ -24,6 +24,25 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0)
 
 
+@pytest.fixture(scope="session")
+def reward_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny randomly initialised sequence classifier (num_labels=1) over the tiny tokenizer: a reward model."""
+    import torch
+    from transformers import Qwen2ForSequenceClassification
+
+    from async_rlhf.tiny.model import tiny_config
+    from async_rlhf.tiny.tokenizer import build_tokenizer, save_tokenizer
+
+    out = tmp_path_factory.mktemp("reward_model")
+    tok = build_tokenizer()
+    cfg = tiny_config(len(tok), tok.pad_token_id, tok.bos_token_id, tok.eos_token_id)
+    cfg.num_labels = 1
+    torch.manual_seed(1)
+    Qwen2ForSequenceClassification(cfg).save_pretrained(str(out))
+    save_tokenizer(tok, out)
+    return out
+
+
 SHARED_FIXTURES = {"shared_ray", "ray_address"}
 """Fixtures one instance of which serves many tests (docs/testing.md, "Shared fixtures")."""
 SHARED_RAY_CPUS = 16

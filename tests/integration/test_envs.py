@@ -27,24 +27,6 @@ COMMON = [f"train.steps={STEPS}", f"train.batch_size={BATCH}", "train.group_size
           "generator.eval_every=0", "generator.groups_in_flight=4", "generator.kv_cache_gib=1"]
 
 
-@pytest.fixture(scope="module")
-def reward_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny randomly initialised sequence classifier over the tiny tokenizer (any num_labels=1 dir works)."""
-    import torch
-    from transformers import Qwen2ForSequenceClassification
-
-    from async_rlhf.tiny.model import tiny_config
-    from async_rlhf.tiny.tokenizer import build_tokenizer, save_tokenizer
-
-    out = tmp_path_factory.mktemp("reward_model")
-    tok = build_tokenizer()
-    cfg = tiny_config(len(tok), tok.pad_token_id, tok.bos_token_id, tok.eos_token_id)
-    cfg.num_labels = 1
-    torch.manual_seed(1)
-    Qwen2ForSequenceClassification(cfg).save_pretrained(str(out))
-    save_tokenizer(tok, out)
-    return out
-
 
 def run_cluster(cfg: Any, model_dir: Path, run_dir: Path, during: Any = None, settle_s: float = 0.0) -> dict:
     import ray

@@ -56,24 +56,6 @@ def stand_in_generator() -> type:
     return StandInGenerator
 
 
-@pytest.fixture(scope="module")
-def reward_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny randomly initialised sequence classifier over the tiny tokenizer."""
-    import torch
-    from transformers import Qwen2ForSequenceClassification
-
-    from async_rlhf.tiny.model import tiny_config
-    from async_rlhf.tiny.tokenizer import build_tokenizer, save_tokenizer
-
-    out = tmp_path_factory.mktemp("reward_model")
-    tok = build_tokenizer()
-    cfg = tiny_config(len(tok), tok.pad_token_id, tok.bos_token_id, tok.eos_token_id)
-    cfg.num_labels = 1
-    torch.manual_seed(1)
-    Qwen2ForSequenceClassification(cfg).save_pretrained(str(out))
-    save_tokenizer(tok, out)
-    return out
-
 
 def test_rewards_come_back_after_the_first_generator_to_score_is_killed(ray_address: str, reward_model_dir: Path,
                                                                         tmp_path: Path) -> None:

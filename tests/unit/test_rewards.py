@@ -51,23 +51,6 @@ def test_load_callable_from_module_or_file(tmp_path: Path):
             load_callable(spec, "rewards.function")
 
 
-@pytest.fixture(scope="module")
-def reward_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    import torch
-    from transformers import Qwen2ForSequenceClassification
-
-    from async_rlhf.tiny.model import tiny_config
-    from async_rlhf.tiny.tokenizer import build_tokenizer, save_tokenizer
-
-    out = tmp_path_factory.mktemp("rm")
-    tok = build_tokenizer()
-    cfg = tiny_config(len(tok), tok.pad_token_id, tok.bos_token_id, tok.eos_token_id)
-    cfg.num_labels = 1
-    torch.manual_seed(0)
-    Qwen2ForSequenceClassification(cfg).save_pretrained(str(out))
-    save_tokenizer(tok, out)
-    return out
-
 
 def test_reward_model_scores_batched_equal_one_by_one_and_keeps_spaces(reward_model_dir: Path):
     from async_rlhf.rewards.model import RewardModelScorer
