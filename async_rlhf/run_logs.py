@@ -21,6 +21,7 @@ No torch, ray or vllm here: actors call :func:`to_role_log` before their heavy i
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 import subprocess
@@ -31,6 +32,8 @@ from typing import Any, TextIO
 
 VERBOSE_ENV = "ASYNC_RLHF_VERBOSE"
 OUR_LOGGERS = ("async_rlhf", "launch")
+OUR_PACKAGES = ("async_rlhf", "launch")
+"""Where the code whose ``print`` lines are the launcher's lives (launch/cluster.py runs as ``__main__``)."""
 """The loggers whose records are the launcher's own: their warnings and errors reach the console."""
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
@@ -115,7 +118,8 @@ def console_stderr() -> TextIO:
 def quiet_driver(cfg: Any) -> Path:
     """In the launcher's process, once ``run.dir`` exists: print the first line of the run (where the logs are),
     then, unless verbose, send its fd 1 and 2, sys.stderr and every logger but :data:`OUR_LOGGERS` to
-    ``logs/driver.log``; sys.stdout (the launcher's own ``print`` lines) and our loggers keep the terminal.
+    ``logs/driver.log``; what our own code prints to sys.stdout (:class:`OursToConsole`) and our loggers keep
+    the terminal.
     ``ASYNC_RLHF_VERBOSE`` sets ``cfg.run.verbose`` here, so roles on a Ray the driver joined see it too. Not
     undone: the launcher's process ends with its run."""
     global _console_err
@@ -136,7 +140,7 @@ def quiet_driver(cfg: Any) -> Path:
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
-    sys.stdout = console_out  # sys.stderr still writes to fd 2: driver.log
+    sys.stdout = OursToConsole(console_out, sys.stdout)  # sys.stderr still writes to fd 2: driver.log
     ours = logging.StreamHandler(_console_err)
     ours.setFormatter(logging.Formatter(LOG_FORMAT))
     ours.setLevel(logging.WARNING)
@@ -146,6 +150,35 @@ def quiet_driver(cfg: Any) -> Path:
     for name in OUR_LOGGERS:
         logging.getLogger(name).addHandler(ours)
     return where
+
+
+class OursToConsole(io.TextIOBase):
+    """The quiet launcher's ``sys.stdout``: what our own code prints (a caller in :data:`OUR_PACKAGES` or the
+    launcher's script) goes to the terminal, anything else to driver.log: a library's logging handler bound to
+    sys.stdout when it was imported (DeepSpeed's "Setting accelerator to CPU" while a first run builds the tiny
+    model), a library's ``print``. Its file descriptor is driver.log's (child processes given sys.stdout)."""
+
+    def __init__(self, console: TextIO, log: TextIO) -> None:
+        self.console, self.log = console, log
+
+    def write(self, text: str) -> int:
+        caller = sys._getframe(1).f_globals.get("__name__", "")
+        ours = caller == "__main__" or caller.split(".")[0] in OUR_PACKAGES
+        return (self.console if ours else self.log).write(text)
+
+    def flush(self) -> None:
+        self.console.flush()
+        self.log.flush()
+
+    def fileno(self) -> int:
+        return self.log.fileno()
+
+    def writable(self) -> bool:
+        return True
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        return self.console.encoding
 
 
 def role_log_note(run_dir: str | Path, role: str) -> str:

@@ -71,6 +71,11 @@ DRIVER = """
     warnings.warn("a FutureWarning", FutureWarning)
     print("a progress bar", file=sys.stderr, flush=True)
     os.write(1, b"fd 1 write\\n")
+    exec("print('a library print')", {"__name__": "somelib"})
+    bound = logging.getLogger("DeepSpeed")  # a library's handler bound to sys.stdout after the switch
+    bound.addHandler(logging.StreamHandler(sys.stdout))
+    bound.propagate = False
+    bound.warning("Setting accelerator to CPU")
     print("error: ours", file=console_stderr(), flush=True)
 """
 
@@ -84,7 +89,8 @@ def test_the_launcher_console_keeps_only_our_lines(tmp_path: Path) -> None:
     assert res.stderr.splitlines()[0].endswith("WARNING async_rlhf.driver.cluster: our warning")
     assert res.stderr.splitlines()[1:] == ["error: ours"]
     driver = (logs / "driver.log").read_text()
-    for line in ("our warning", "a library's notice", "a FutureWarning", "a progress bar", "fd 1 write"):
+    for line in ("our warning", "a library's notice", "a FutureWarning", "a progress bar", "fd 1 write",
+                 "a library print", "Setting accelerator to CPU"):
         assert line in driver, driver
     assert "progress line" not in driver and "error: ours" not in driver
 
