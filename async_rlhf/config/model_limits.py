@@ -6,7 +6,8 @@ its default takes the model's own value, at config time (``validate``):
 
     model.max_model_len      <- config.json: the smallest of max_position_embeddings, n_positions,
                                 max_sequence_length, seq_length, n_ctx (or those of its text_config),
-                                as vLLM reads the model's window
+                                as vLLM reads the model's window; at most WINDOW_CAP (a 32k or 128k window
+                                filled in whole would size every learner row and the engine's KV cache for it)
     generator.max_new_tokens <- generation_config.json: max_new_tokens
 
 and where the model names none, the run is refused naming both keys. Reads JSON only (no torch, no transformers).
@@ -25,6 +26,9 @@ from async_rlhf.config.sections import ModelConfig
 
 CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
 """Where a Hugging Face config.json states the model's context window (the names vLLM reads too)."""
+WINDOW_CAP = 4096
+"""The longest window a default ``model.max_model_len`` takes from a model (prompt + completion tokens of RL
+rollouts); a longer one is the user's to set, with ``learner.max_tokens_per_micro_batch`` to bound the learner."""
 TINY_BUILD_FILE = "tiny_info.json"
 """What a finished build of the tiny policy holds (``async_rlhf.tiny.cache.INFO_FILE``): its defaults are the
 configuration's own."""
@@ -88,7 +92,7 @@ def resolve_model_limits(cfg: Config) -> Config:
         if context is None:
             missing.append(f"model.max_model_len ({path / 'config.json'} states no {' / '.join(CONTEXT_KEYS[:2])})")
         else:
-            cfg.model.max_model_len = context
+            cfg.model.max_model_len = min(context, WINDOW_CAP)
     if "max_new_tokens" not in cfg.generator.model_fields_set:
         new_tokens = generation_max_new_tokens(read_json(path / "generation_config.json"))
         if new_tokens is None:
@@ -125,4 +129,7 @@ def model_limits_line(cfg: Config) -> str:
              "its generation_config.json gives no max_new_tokens"]
     if window > (stated or window):
         notes.append(f"the window {window} is longer than the model's {stated}")
+    elif stated and stated > window:
+        notes.append(f"shorter than the model's: a default window is at most {WINDOW_CAP}, set model.max_model_len "
+                     "for a longer one")
     return f"model: {path.resolve()}: {values} ({'; '.join(notes)})"

@@ -131,6 +131,8 @@ class MemoryPlan:
     fixed_gb: float
     generators: int
     learners: int
+    activation_gb: float = 0.0
+    """Of ``learner_gb``: one training forward's activations (:func:`activation_bytes`)."""
 
     def total_gb(self, generators: int | None = None, learners: int | None = None) -> float:
         g = self.generators if generators is None else generators
@@ -170,6 +172,7 @@ def estimate_memory(cfg: Config, params: int, generators: int | None = None,
         generator_gb = (GENERATOR_BASE_GB + params * DTYPE_BYTES.get(engine_dtype, 4) / GB
                         + gen.kv_cache_gib * (1 << 30) / GB)
     learner_gb = LEARNER_BASE_GB
+    activations = 0.0
     if cfg.resources.learner_gpus == 0:  # on a GPU the state lives there
         stage = cfg.learner.zero_stage
         optim = 8 + (4 if wbytes < 4 else 0)  # AdamW's two fp32 moments (+ fp32 master weights)
@@ -183,7 +186,7 @@ def estimate_memory(cfg: Config, params: int, generators: int | None = None,
         critic = params * per_param if cfg.train.algorithm == "ppo" else 0
         activations = activation_bytes(cfg, shape, m) if shape is not None else 0
         learner_gb += (trained + ref + critic + activations) / GB
-    return MemoryPlan(generator_gb, learner_gb, FIXED_GB, g, m)
+    return MemoryPlan(generator_gb, learner_gb, FIXED_GB, g, m, activations / GB)
 
 
 def check_memory(plan: MemoryPlan, node_gb: float, where: str = "this machine") -> None:
@@ -204,7 +207,9 @@ def check_memory(plan: MemoryPlan, node_gb: float, where: str = "this machine") 
         f"{plan.generators} generator(s) and {plan.learners} learner rank(s) need about {need:.1f} GB of memory and "
         f"{where} has {node_gb:.1f} GB ({plan.generator_gb:.2f} GB per generator, of which "
         f"generator.kv_cache_gib is the KV cache; {plan.learner_gb:.2f} GB per learner rank; {plan.fixed_gb:.1f} GB "
-        f"for Ray, the driver and the buffer){fits}; or lower generator.kv_cache_gib (fractions of a GiB work)")
+        f"for Ray, the driver and the buffer){fits}; or lower generator.kv_cache_gib (fractions of a GiB work)"
+        + (f"; a learner rank's activations are {plan.activation_gb:.1f} GB of it: bound them with "
+           "learner.max_tokens_per_micro_batch (and model.max_model_len)" if plan.activation_gb > 1.0 else ""))
 
 
 def plan_for(cfg: Config) -> MemoryPlan:

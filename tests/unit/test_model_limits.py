@@ -98,3 +98,26 @@ def test_the_dry_run_prints_what_they_resolved_to(tmp_path: Path) -> None:
                              cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert refused.returncode == 2 and refused.stderr.startswith("error: --model ")
     assert "generator.max_new_tokens" in refused.stderr and "model.max_model_len" in refused.stderr
+
+
+def test_a_long_window_is_taken_up_to_the_cap_and_the_memory_refusal_names_the_token_budget(tmp_path: Path) -> None:
+    """A 128k window filled in whole sized every learner row for it: a 0.5B model was refused with 86 TB per rank
+    and advice about the KV cache. The default takes at most WINDOW_CAP; where activations still do not fit, the
+    refusal names the learner's token budget."""
+    from async_rlhf.config.model_limits import WINDOW_CAP
+    from async_rlhf.driver.memory_plan import check_memory, plan_for
+
+    d = model_dir(tmp_path, config={"max_position_embeddings": 131072, "hidden_size": 896,
+                                    "num_hidden_layers": 24, "intermediate_size": 4864, "num_attention_heads": 14,
+                                    "vocab_size": 151936}, generation={"max_new_tokens": 512})
+    cfg = load_config(None, [f"model.path={d}"])
+    assert cfg.model.max_model_len == WINDOW_CAP
+    assert f"a default window is at most {WINDOW_CAP}, set model.max_model_len" in model_limits_line(cfg)
+    assert load_config(None, [f"model.path={d}", "model.max_model_len=32768"]).model.max_model_len == 32768
+    plan = plan_for(cfg)
+    assert plan.activation_gb > 1.0
+    with pytest.raises(ConfigError, match="activations are .* GB of it: bound them with "
+                                          r"learner.max_tokens_per_micro_batch"):
+        check_memory(plan, 8.0)
+    budgeted = plan_for(load_config(None, [f"model.path={d}", "learner.max_tokens_per_micro_batch=4096"]))
+    assert budgeted.activation_gb < plan.activation_gb
