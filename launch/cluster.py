@@ -126,7 +126,9 @@ def build_config(args: argparse.Namespace):
             overrides.append(f"run.dir={run_dir}")
     cfg = load_config(base, overrides)
     from async_rlhf.driver.checkpoints import check_run_dir
+    from async_rlhf.driver.run_lock import refuse_if_live
 
+    refuse_if_live(cfg.run.dir)  # a live run is named first (a repeated command must not be told to overwrite it)
     check_run_dir(cfg.run.dir, bool(args.resume), cfg.run.overwrite)
     if args.resume:
         from async_rlhf.driver.progress import check_learners

@@ -144,6 +144,10 @@ def resolve_resume(path: str | Path) -> Path:
         raise ConfigError(f"--resume {path} is a file, not a checkpoint; pass a run directory or a "
                           "checkpoints/step-N directory")
     if (p / MANIFEST).is_file():
+        if p.resolve().parent.name.startswith("abandoned-"):
+            raise ConfigError(f"--resume {path} is a checkpoint of an abandoned branch (set aside by a rollback); "
+                              f"to go back to it, move it into {p.resolve().parent.parent} first (mv {p} "
+                              f"{p.resolve().parent.parent}/) and resume that")
         for part in ("deepspeed", "policy"):
             if not (p / part).is_dir():
                 raise ConfigError(f"--resume {path}: the checkpoint has no {part}/ directory (incomplete or "

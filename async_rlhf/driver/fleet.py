@@ -207,16 +207,12 @@ class Fleet:
         """A resume on fewer generators with a Redis prompt stream: what the generators it no longer runs drew and
         nobody trained goes back to the stream as new entries (``requeue_drawn``), drawn by the new fleet; their
         old keys count as used up. Without it those prompts were never issued again (eaten)."""
-        from async_rlhf.driver.prompt_ledger import split_key
-        from async_rlhf.generator.stream import keys_of_group
+        from async_rlhf.driver.prompt_ledger import held_positions
         from async_rlhf.prompts.redis_stream import requeue_drawn
 
         p = self.cluster.cfg.prompts
         gone = sorted(g for g in self.ledger.positions if g >= self.cluster.cfg.generators)
-        held: dict[int, set[int]] = {}
-        for key in (k for gid in in_buffer for k in keys_of_group(gid)):
-            gen, seq = split_key(key)
-            held.setdefault(gen, set()).add(seq)
+        held = held_positions(in_buffer)
         total = 0
         for g in gone:
             position = self.ledger.positions[g]

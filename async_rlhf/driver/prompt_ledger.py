@@ -30,6 +30,15 @@ def split_key(key: str) -> tuple[int, int]:
     return int(gen), int(seq)
 
 
+def held_positions(group_ids: Iterable[str]) -> dict[int, set[int]]:
+    """Per generator, the stream positions the groups ``group_ids`` (e.g. those a durable buffer holds) use up."""
+    held: dict[int, set[int]] = {}
+    for key in (k for g in group_ids for k in keys_of_group(g)):
+        gen, seq = split_key(key)
+        held.setdefault(gen, set()).add(seq)
+    return held
+
+
 @dataclass
 class StreamPlan:
     """How a (re)started generator continues its prompt stream."""
@@ -119,10 +128,7 @@ class PromptLedger:
         delivered (trained later under their keys). The open positions of the old lanes are dealt again under
         new keys: no longer outstanding here."""
         old = self.layout if self.layout is not None else Layout.default(lanes)
-        held: dict[int, set[int]] = {}
-        for key in (k for g in in_buffer for k in keys_of_group(g)):
-            gen, seq = split_key(key)
-            held.setdefault(gen, set()).add(seq)
+        held = held_positions(in_buffer)
         out = relayout(old, lanes, self.positions, self.outstanding, self.ahead, held)
         self.layout, self.positions, self.outstanding = out.layout, dict(out.positions), out.outstanding
         self.ahead = {}

@@ -58,6 +58,34 @@ def holder(run_dir: str | Path) -> dict[str, Any]:
         return {}
 
 
+def in_use(run_dir: Path) -> RunDirInUse:
+    """The refusal of a second driver, naming the live one."""
+    live = holder(run_dir)
+    who = f"pid {live.get('pid', '?')} on {live.get('host', '?')}"
+    since = (f", started {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(live['started']))}"
+             if isinstance(live.get("started"), (int, float)) else "")
+    return RunDirInUse(f"run.dir {run_dir} is in use by a live run ({who}{since}); two drivers on one directory "
+                       f"would overwrite each other's checkpoints. Stop it first (python launch/cluster.py stop "
+                       f"--run-dir {run_dir}), wait for it to end, or give another --run-dir")
+
+
+def refuse_if_live(run_dir: str | Path) -> None:
+    """Raise :class:`RunDirInUse` if a live driver holds ``run_dir`` (creates nothing): what the launcher asks
+    first, before any other check of the directory (a repeated command must hear of the live run, not be told to
+    overwrite it)."""
+    path = Path(run_dir) / LOCK_NAME
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return  # no lock file: no driver ever held it
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise in_use(Path(run_dir)) from None
+    finally:
+        os.close(fd)
+
+
 def hold_run_dir(run_dir: str | Path) -> RunDirLock:
     """Take the run directory for this process (creating it), or raise :class:`RunDirInUse` naming the holder."""
     d = Path(run_dir)
@@ -70,13 +98,7 @@ def hold_run_dir(run_dir: str | Path) -> RunDirLock:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
-        live = holder(d)
-        who = f"pid {live.get('pid', '?')} on {live.get('host', '?')}"
-        since = (f", started {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(live['started']))}"
-                 if isinstance(live.get("started"), (int, float)) else "")
-        raise RunDirInUse(f"run.dir {d} is in use by a live run ({who}{since}); two drivers on one directory "
-                          f"would overwrite each other's checkpoints. Stop it first (python launch/cluster.py stop "
-                          f"--run-dir {d}), wait for it to end, or give another --run-dir") from None
+        raise in_use(d) from None
     body = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}).encode()
     os.ftruncate(fd, 0)
     os.pwrite(fd, body, 0)

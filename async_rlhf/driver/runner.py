@@ -311,6 +311,23 @@ class TaskResult:
         return value
 
 
+def redis_warnings(cfg: Config) -> list[str]:
+    """What makes the buffer's Redis lose or evict its keys (``run_scope.durability_warnings``), said on the console
+    at start; an unreachable Redis says nothing here (the buffer retries and names it)."""
+    import redis
+
+    from async_rlhf.buffer.run_scope import durability_warnings
+    from async_rlhf.config.secrets import mask_url
+
+    client = redis.Redis.from_url(cfg.buffer.redis_url, socket_connect_timeout=2.0, socket_timeout=2.0)
+    try:
+        return [f"the buffer's Redis at {mask_url(cfg.buffer.redis_url)}: {w}" for w in durability_warnings(client)]
+    except redis.RedisError:
+        return []
+    finally:
+        client.close()
+
+
 def final_figure(fn: Any) -> Any:
     """``fn()``, a held-out figure of the final policy, or None with a warning if it failed: the run is done, its
     summary is still written, without the figure."""
@@ -354,8 +371,9 @@ def run(cfg: Config, address: str | None = None, cache_root: Path = Path("runs/c
 
 def _run_locked(cfg: Config, address: str | None, cache_root: Path, resume: Path | None,
                 stop: threading.Event | None, console: bool = False) -> dict[str, Any]:
-    from async_rlhf.driver.checkpoints import check_run_dir, clear_run_dir, set_aside_newer
-    from async_rlhf.driver.reference import check_reference, read_reference, write_reference
+    from async_rlhf.config import ConfigError
+    from async_rlhf.driver.checkpoints import check_run_dir, clear_run_dir, run_dir_of, set_aside_newer
+    from async_rlhf.driver.reference import REFERENCE_FILE, check_reference, read_reference, write_reference
     from async_rlhf.driver.stopping import catch_stop_signals
     from async_rlhf.evaluation import BUILTIN_HELDOUT, eval_figures, eval_summary, eval_text
 
@@ -365,11 +383,18 @@ def _run_locked(cfg: Config, address: str | None, cache_root: Path, resume: Path
     if resume is None and cfg.run.overwrite:
         clear_run_dir(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    from async_rlhf.buffer.run_scope import run_id_for
+    from async_rlhf.buffer.run_scope import new_run_id, run_id_for
 
-    # issue 44, defect 4: a fresh run a new id, a resume its own (read before config.json is rewritten); a Redis
-    # buffer's keys and a Redis prompt stream's positions are scoped by it
-    cfg.run.id = run_id_for(run_dir, resume)
+    # a checkpoint of another run directory continued here (a fork): that run is neither touched nor shared
+    source_dir = run_dir_of(resume) if resume is not None else None
+    forked = source_dir is not None and source_dir != run_dir.resolve()
+    # issue 44, defect 4: a fresh run (or a fork) a new id, a resume its own (read before config.json is rewritten);
+    # a Redis buffer's keys and a Redis prompt stream's positions are scoped by it
+    cfg.run.id = new_run_id() if forked else run_id_for(run_dir, resume)
+    if forked and "redis" in (cfg.buffer.store, cfg.prompts.source):
+        print(f"continuing {source_dir}'s checkpoint in another run directory: this run has Redis keys of its own "
+              f"(run.id {cfg.run.id}); the groups that run's buffer held and the Redis prompts it had in flight "
+              "stay with it", flush=True)
     (run_dir / "config.json").write_text(cfg.to_json())
     t0 = time.time()
     if console:  # the first line names run.dir/logs; from here the roles' and libraries' output goes there
@@ -377,12 +402,10 @@ def _run_locked(cfg: Config, address: str | None, cache_root: Path, resume: Path
 
         quiet_driver(cfg)
     early = start_early_fork_servers(cfg, address)  # their imports overlap the model's resolution and Ray's start
-    recorded = read_reference(run_dir) if resume is not None else None
+    recorded = None
+    if resume is not None:  # the reference the run (or the run forked) started from
+        recorded = read_reference(run_dir) or (read_reference(source_dir) if forked else None)
     if resume is not None:
-        moved = set_aside_newer(resume)
-        if moved:  # a rollback: the newer checkpoints are an abandoned branch, kept aside
-            print(f"resuming from {resume.name}, older than the run's newest: {', '.join(p.name for p in moved)} "
-                  f"moved to {moved[0].parent} (nothing deleted)", flush=True)
         # a copy: pruning deletes old checkpoints, and restarted actors (and save_hf's tokenizer files) still
         # read the directory they started from
         import shutil
@@ -393,6 +416,10 @@ def _run_locked(cfg: Config, address: str | None, cache_root: Path, resume: Path
         # the frozen reference (KL anchor, DPO's reference) stays the model the run started from, never the
         # checkpoint's policy
         reference_path = recorded["path"] if recorded else resolve_model(cfg, cache_root)
+        if not Path(reference_path).is_dir():
+            raise ConfigError(f"the run's reference model {reference_path} (named in {REFERENCE_FILE} of the run "
+                              "directory) is gone: restore it there; the KL term of a resumed run must anchor to "
+                              "the model the run started from")
     else:
         model_path = resolve_model(cfg, cache_root)
         reference_path = model_path
@@ -423,8 +450,16 @@ def _run_locked(cfg: Config, address: str | None, cache_root: Path, resume: Path
         reference_sha256 = cluster.reference_sha256
         if recorded is not None:
             check_reference(recorded, reference_path, reference_sha256)  # the same weights, or refused
-        else:
+        if recorded is None or forked:
             write_reference(run_dir, reference_path, reference_sha256)
+        if resume is not None and not forked:  # only once the run has started: a failed start moves nothing
+            moved = set_aside_newer(resume)
+            if moved:  # a rollback: the newer checkpoints are an abandoned branch, kept aside
+                print(f"resuming from {resume.name}, older than the run's newest: "
+                      f"{', '.join(p.name for p in moved)} moved to {moved[0].parent} (nothing deleted)", flush=True)
+        if cfg.buffer.store == "redis":
+            for line in redis_warnings(cfg):  # (the buffer's own log has them too; this console is the user's)
+                print(f"warning: {line}", flush=True)
         if start_eval is not None:
             start_acc = start_eval.result()
             # not a phase of its own: it ran beside the others (the seconds it kept the driver waiting are in

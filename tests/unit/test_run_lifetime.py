@@ -127,3 +127,33 @@ def test_weights_digest_ignores_lora_and_wrapping() -> None:
     with torch.no_grad():
         plain[1].bias[0] += 1e-6
     assert weights_sha256(plain) != digest
+
+
+def test_the_launcher_names_a_live_run_before_any_other_check(tmp_path: Path) -> None:
+    """A repeated fresh command on a live directory hears of the live run (its pid), never 'holds a previous run:
+    run.overwrite=true deletes it'."""
+    from async_rlhf.driver.checkpoints import check_run_dir
+    from async_rlhf.driver.run_lock import RunDirInUse, hold_run_dir, refuse_if_live
+
+    run = tmp_path / "run"
+    refuse_if_live(run)  # no directory yet: nothing to say, nothing created
+    assert not run.exists()
+    lock = hold_run_dir(run)
+    (run / "config.json").write_text("{}")
+    with pytest.raises(RunDirInUse, match=f"pid {os.getpid()}"):
+        refuse_if_live(run)
+    with pytest.raises(ConfigError, match="holds a previous run"):
+        check_run_dir(run, resume=False, overwrite=False)  # what a repeated command was told before
+    lock.release()
+    refuse_if_live(run)
+    hold_run_dir(run).release()  # the check left the lock free
+
+
+def test_a_checkpoint_of_an_abandoned_branch_is_refused_with_the_way_back(tmp_path: Path) -> None:
+    from async_rlhf.driver.checkpoints import resolve_resume, set_aside_newer
+
+    run = tmp_path / "run"
+    _commit_steps(run, [2, 4])
+    moved = set_aside_newer(run / "checkpoints" / "step-000002")
+    with pytest.raises(ConfigError, match="abandoned branch .* move it into"):
+        resolve_resume(moved[0])
