@@ -21,6 +21,8 @@ from typing import Any
 from async_rlhf.config import ConfigError
 
 LOCK_NAME = ".driver.lock"
+BRIEF_S = 0.5
+"""How long a driver taking the lock waits out a holder: :func:`refuse_if_live` holds it for an instant."""
 
 
 class RunDirInUse(ConfigError):
@@ -94,11 +96,16 @@ def hold_run_dir(run_dir: str | Path) -> RunDirLock:
     d.mkdir(parents=True, exist_ok=True)
     path = d / LOCK_NAME
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise in_use(d) from None
+    deadline = time.monotonic() + BRIEF_S
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            if time.monotonic() >= deadline:  # a live driver: it holds the lock for its whole life
+                os.close(fd)
+                raise in_use(d) from None
+            time.sleep(0.02)  # a launcher's refuse_if_live holds it for an instant
     body = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}).encode()
     os.ftruncate(fd, 0)
     os.pwrite(fd, body, 0)
