@@ -32,9 +32,9 @@ from typing import Any, TextIO
 
 VERBOSE_ENV = "ASYNC_RLHF_VERBOSE"
 OUR_LOGGERS = ("async_rlhf", "launch")
+"""The loggers whose records are the launcher's own: their warnings and errors reach the console."""
 OUR_PACKAGES = ("async_rlhf", "launch")
 """Where the code whose ``print`` lines are the launcher's lives (launch/cluster.py runs as ``__main__``)."""
-"""The loggers whose records are the launcher's own: their warnings and errors reach the console."""
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 _console_err: TextIO | None = None
