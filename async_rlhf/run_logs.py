@@ -35,6 +35,9 @@ OUR_LOGGERS = ("async_rlhf", "launch")
 """The loggers whose records are the launcher's own: their warnings and errors reach the console."""
 OUR_PACKAGES = ("async_rlhf", "launch")
 """Where the code whose ``print`` lines are the launcher's lives (launch/cluster.py runs as ``__main__``)."""
+PRINT_WRAPPERS = ("ray.experimental.tqdm_ray",)
+"""Modules whose function replaces ``builtins.print`` in the driver: Ray's driver patches in tqdm_ray's
+``safe_print`` once it prints a worker's error (a learner's death), and every print after comes through it."""
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 _console_err: TextIO | None = None
@@ -162,7 +165,10 @@ class OursToConsole(io.TextIOBase):
         self.console, self.log = console, log
 
     def write(self, text: str) -> int:
-        caller = sys._getframe(1).f_globals.get("__name__", "")
+        frame = sys._getframe(1)
+        while frame.f_back is not None and frame.f_globals.get("__name__", "") in PRINT_WRAPPERS:
+            frame = frame.f_back  # a library's stand-in for print: whoever called print is the writer
+        caller = frame.f_globals.get("__name__", "")
         ours = caller == "__main__" or caller.split(".")[0] in OUR_PACKAGES
         return (self.console if ours else self.log).write(text)
 

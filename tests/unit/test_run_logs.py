@@ -77,6 +77,12 @@ DRIVER = """
     bound.propagate = False
     bound.warning("Setting accelerator to CPU")
     print("error: ours", file=console_stderr(), flush=True)
+    import builtins  # Ray's driver replaces print by tqdm_ray's safe_print once it shows a worker's error
+    wrapper = {"__name__": "ray.experimental.tqdm_ray", "_print": builtins.print}
+    exec("def safe_print(*args, **kwargs):\\n    _print(*args, **kwargs)", wrapper)
+    builtins.print = wrapper["safe_print"]
+    print("after a worker died", flush=True)
+    exec("print('a library print through the wrapper')", {"__name__": "somelib"})
 """
 
 
@@ -85,12 +91,13 @@ def test_the_launcher_console_keeps_only_our_lines(tmp_path: Path) -> None:
     assert res.returncode == 0, res.stderr
     logs = tmp_path / "run" / "logs"
     assert res.stdout.splitlines() == [f"logs: {logs} (each role's output; run.verbose=true or "
-                                       "ASYNC_RLHF_VERBOSE=1 shows it here)", "progress line"]
+                                       "ASYNC_RLHF_VERBOSE=1 shows it here)", "progress line",
+                                       "after a worker died"]
     assert res.stderr.splitlines()[0].endswith("WARNING async_rlhf.driver.cluster: our warning")
     assert res.stderr.splitlines()[1:] == ["error: ours"]
     driver = (logs / "driver.log").read_text()
     for line in ("our warning", "a library's notice", "a FutureWarning", "a progress bar", "fd 1 write",
-                 "a library print", "Setting accelerator to CPU"):
+                 "a library print", "Setting accelerator to CPU", "a library print through the wrapper"):
         assert line in driver, driver
     assert "progress line" not in driver and "error: ours" not in driver
 
