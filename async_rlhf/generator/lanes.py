@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import bisect
 import random
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -239,8 +239,10 @@ def lane_source(cfg: Any, layout: Layout, lane: int) -> Any:
     raise ValueError(f"prompts.source={p.source} has no lanes (only file and python sources are dealt)")
 
 
-def offset_stream(source: Any, base: int, start: int, reissue: list[int], skip: list[int]) -> Any:
-    """The generator's ``PromptStream`` over ``source``, whose first prompt is position ``base + 1``."""
+def offset_stream(source: Any, base: int, start: int = 0, reissue: Sequence[int] = (),
+                  skip: Sequence[int] = ()) -> Any:
+    """The generator's ``PromptStream`` over ``source``, whose first prompt is position ``base + 1``; without a
+    position (a generator run without ``resume_stream``, e.g. by a benchmark), from the start."""
     if not base:
         return PromptStream(source, start=start, reissue=reissue, skip=skip)
     if start < base or any(r <= base for r in reissue):

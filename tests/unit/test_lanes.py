@@ -197,3 +197,12 @@ def test_a_resume_on_another_learner_world_size_is_refused_naming_the_fix() -> N
         check_learners({"learners": 2}, cfg, "ckpt")
     assert saved_layout({"layout": Layout(3, {1: 5}, [], 9).to_dict()}) == Layout(3, {1: 5}, [], 9)
     assert saved_layout({"generators": 2, "data": {}}) == Layout.default(2)
+
+
+def test_a_generator_run_without_a_position_starts_its_stream_from_the_start() -> None:
+    """A generator run without ``resume_stream`` (the pipeline benchmark drives its generators so) streams from
+    position 1: ``run()`` called offset_stream with no position and failed with a TypeError."""
+    from async_rlhf.generator.lanes import offset_stream
+
+    stream = offset_stream(iter(["a", "b", "c"]), 0)
+    assert [next(stream) for _ in range(2)] == [(1, "a"), (2, "b")]
