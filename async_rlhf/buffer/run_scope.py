@@ -96,3 +96,19 @@ def earlier_runs(client: Any, prefix: str, run_id: str, limit: int = 100, max_sc
         if not cursor or len(found) >= limit:
             break
     return sorted(found)[:limit]
+
+
+def redis_warnings(url: str) -> list[str]:
+    """:func:`durability_warnings` of the Redis at ``url``, each naming it (password masked), for the driver's console
+    at start; an unreachable Redis says nothing here (the buffer retries and names it)."""
+    import redis
+
+    from async_rlhf.config.secrets import mask_url
+
+    client = redis.Redis.from_url(url, socket_connect_timeout=2.0, socket_timeout=2.0)
+    try:
+        return [f"the buffer's Redis at {mask_url(url)}: {w}" for w in durability_warnings(client)]
+    except redis.RedisError:
+        return []
+    finally:
+        client.close()

@@ -4,7 +4,6 @@ finish: checkpoints, metrics.jsonl, TensorBoard, plots, the policy and summary.j
 from __future__ import annotations
 
 import json
-import logging
 import threading
 import time
 from pathlib import Path
@@ -12,6 +11,7 @@ from typing import Any
 
 from async_rlhf.config import Config
 from async_rlhf.driver.agreement import agreement_summary, mismatch_failure, mismatch_note
+from async_rlhf.driver.beside import Beside, TaskResult, final_figure
 from async_rlhf.driver.cluster import (
     Cluster,
     forks_roles,
@@ -19,8 +19,6 @@ from async_rlhf.driver.cluster import (
     resolve_model,
     start_early_fork_servers,
 )
-
-log = logging.getLogger(__name__)
 
 
 class LearnerFailure(RuntimeError):
@@ -260,91 +258,6 @@ def learner_fractions(learners: list[dict[str, Any]]) -> dict[str, float]:
             "learner_push_wait_fraction": sum(busy_fraction(tl["totals"], ("push_wait",)) for tl in learners) / n}
 
 
-class Beside:
-    """``fn(*args)`` on a daemon thread, beside what the caller does meanwhile; :meth:`result` waits for it and
-    raises what it raised. On a run that does not fork its roles (GPU runs, ``run.fork_workers=false``), the
-    driver's held-out evaluation (a transformers forward of a small held-out set) runs so beside the roles'
-    start-up and beside the shutdown; a run that forks its roles evaluates in a task forked from learner rank 0's
-    server instead (``Cluster.heldout``).
-    A daemon: a run that fails to start does not wait for it."""
-
-    def __init__(self, fn: Any, *args: Any) -> None:
-        self._box: dict[str, Any] = {}
-        self._thread = threading.Thread(target=self._run, args=(fn, args), daemon=True, name="beside")
-        self.started = time.time()
-        self._thread.start()
-
-    def _run(self, fn: Any, args: tuple[Any, ...]) -> None:
-        try:
-            self._box["value"] = fn(*args)
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller by result()
-            self._box["error"] = exc
-        self._box["seconds"] = time.time() - self.started
-
-    def result(self) -> Any:
-        self._thread.join()
-        if "error" in self._box:
-            raise self._box["error"]
-        return self._box["value"]
-
-    @property
-    def seconds(self) -> float:
-        """How long ``fn`` ran (once :meth:`result` returned)."""
-        return self._box["seconds"]
-
-
-class TaskResult:
-    """A ref of ``timed_heldout_accuracy`` (``Cluster.heldout``) with :class:`Beside`'s interface; a failed task
-    raises what failed in it (the first line of Ray's own error names only the task)."""
-
-    def __init__(self, ref: Any) -> None:
-        self.ref = ref
-        self.seconds = 0.0
-
-    def result(self) -> float:
-        import ray
-
-        try:
-            value, self.seconds = ray.get(self.ref)
-        except ray.exceptions.RayError as exc:
-            raise heldout_task_failure(exc) from exc
-        return value
-
-
-def redis_warnings(cfg: Config) -> list[str]:
-    """What makes the buffer's Redis lose or evict its keys (``run_scope.durability_warnings``), said on the console
-    at start; an unreachable Redis says nothing here (the buffer retries and names it)."""
-    import redis
-
-    from async_rlhf.buffer.run_scope import durability_warnings
-    from async_rlhf.config.secrets import mask_url
-
-    client = redis.Redis.from_url(cfg.buffer.redis_url, socket_connect_timeout=2.0, socket_timeout=2.0)
-    try:
-        return [f"the buffer's Redis at {mask_url(cfg.buffer.redis_url)}: {w}" for w in durability_warnings(client)]
-    except redis.RedisError:
-        return []
-    finally:
-        client.close()
-
-
-def final_figure(fn: Any) -> Any:
-    """``fn()``, a held-out figure of the final policy, or None with a warning if it failed: the run is done, its
-    summary is still written, without the figure."""
-    try:
-        return fn()
-    except Exception as exc:  # noqa: BLE001 - see the docstring
-        log.warning("the held-out evaluation of the final policy failed: %s: %s", type(exc).__name__, exc)
-        return None
-
-
-def heldout_task_failure(exc: BaseException) -> RuntimeError:
-    """What a failed held-out task raises: the error in the task (Ray's error carries it as ``cause``), named with
-    where it ran."""
-    cause = getattr(exc, "cause", None) or exc
-    return RuntimeError(f"the held-out evaluation on learner rank 0's node failed: {type(cause).__name__}: {cause}")
-
-
 def run(cfg: Config, address: str | None = None, cache_root: Path = Path("runs/cache"),
         resume: Path | None = None, stop: threading.Event | None = None, lock: Any = None,
         console: bool = False) -> dict[str, Any]:
@@ -403,9 +316,9 @@ def _run_locked(cfg: Config, address: str | None, cache_root: Path, resume: Path
         quiet_driver(cfg)
     early = start_early_fork_servers(cfg, address)  # their imports overlap the model's resolution and Ray's start
     recorded = None
-    if resume is not None:  # the reference the run (or the run forked) started from
-        recorded = read_reference(run_dir) or (read_reference(source_dir) if forked else None)
     if resume is not None:
+        # the reference the run (or the run forked) started from
+        recorded = read_reference(run_dir) or (read_reference(source_dir) if forked else None)
         # a copy: pruning deletes old checkpoints, and restarted actors (and save_hf's tokenizer files) still
         # read the directory they started from
         import shutil
@@ -458,7 +371,9 @@ def _run_locked(cfg: Config, address: str | None, cache_root: Path, resume: Path
                 print(f"resuming from {resume.name}, older than the run's newest: "
                       f"{', '.join(p.name for p in moved)} moved to {moved[0].parent} (nothing deleted)", flush=True)
         if cfg.buffer.store == "redis":
-            for line in redis_warnings(cfg):  # (the buffer's own log has them too; this console is the user's)
+            from async_rlhf.buffer.run_scope import redis_warnings
+
+            for line in redis_warnings(cfg.buffer.redis_url):  # (also in the buffer's log; this console is the user's)
                 print(f"warning: {line}", flush=True)
         if start_eval is not None:
             start_acc = start_eval.result()

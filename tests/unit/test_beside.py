@@ -1,5 +1,5 @@
-"""runner.Beside: on a run that does not fork its roles, the driver's held-out evaluation runs beside the roles'
-start-up and hands back its result or its error (a run that forks them evaluates in a task: runner.TaskResult)."""
+"""beside.Beside: on a run that does not fork its roles, the driver's held-out evaluation runs beside the roles'
+start-up and hands back its result or its error (a run that forks them evaluates in a task: beside.TaskResult)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from async_rlhf.driver.runner import Beside
+from async_rlhf.driver.beside import Beside
 
 pytestmark = pytest.mark.unit
 
@@ -44,9 +44,9 @@ def test_the_thread_does_not_keep_a_failed_run_alive() -> None:
 
 
 def test_a_failed_held_out_task_raises_what_failed_in_it() -> None:
-    """runner.TaskResult raises ``heldout_task_failure`` of Ray's error: the task's cause, not Ray's first line
+    """beside.TaskResult raises ``heldout_task_failure`` of Ray's error: the task's cause, not Ray's first line
     (``ray::timed_heldout_accuracy() (pid=...)``), which is all the launcher's one-line error would show."""
-    from async_rlhf.driver.runner import heldout_task_failure
+    from async_rlhf.driver.beside import heldout_task_failure
 
     class TaskError(Exception):  # as Ray's task error carries the task's own exception
         cause = FileNotFoundError("no file named config.json in /m")
@@ -60,9 +60,9 @@ def test_a_failed_held_out_task_raises_what_failed_in_it() -> None:
 
 def test_a_failed_final_figure_is_none_with_a_warning_and_a_good_one_comes_back(
         caplog: pytest.LogCaptureFixture) -> None:
-    """runner.final_figure: the run is done when the final policy is evaluated; a failing evaluation (either way
+    """beside.final_figure: the run is done when the final policy is evaluated; a failing evaluation (either way
     it runs) must not cost the summary, and says what failed."""
-    from async_rlhf.driver.runner import final_figure
+    from async_rlhf.driver.beside import final_figure
 
     assert final_figure(lambda: 0.75) == 0.75
 
