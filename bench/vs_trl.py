@@ -217,7 +217,7 @@ def default_generators() -> int:
 
 def run_ours(cfg_args: list[str], group_size: int, model_dir: str, budget_s: float, eval_every: int,
              work: Path, generators: int, ours_set: tuple[str, ...] = ()) -> dict[str, Any]:
-    from async_rlhf.driver.fleet import send_control
+    from async_rlhf.driver.control import send_control
 
     run_dir = work / "ours"
     # one engine holds what two would: its steps carry twice the sequences (cheaper per sample)

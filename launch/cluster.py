@@ -255,7 +255,7 @@ def stop_on_signals():
 def _control(run_dir: str, msg: dict) -> dict | None:
     """Send ``msg`` to the running job's control endpoint; None after printing one ``error:`` line."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from async_rlhf.driver.fleet import send_control
+    from async_rlhf.driver.control import send_control
 
     try:
         reply = send_control(run_dir, msg)

@@ -86,7 +86,8 @@ def train(cfg: Config, cluster: Cluster, run_dir: Path, resume: Path | None = No
 
     from async_rlhf.buffer.build import make_client
     from async_rlhf.driver.buffer_watch import BufferWatch
-    from async_rlhf.driver.fleet import ControlServer, Fleet
+    from async_rlhf.driver.control import ControlServer
+    from async_rlhf.driver.fleet import Fleet
     from async_rlhf.driver.metrics import MetricsWriter
     from async_rlhf.driver.progress import TrainProgress
     from async_rlhf.driver.progress_rates import TokenRate, fresh_evals

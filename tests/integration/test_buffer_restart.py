@@ -25,7 +25,7 @@ from jobs import data_ledger, job_args, kill_session, learner_records, start_job
 from async_rlhf.buffer.redis_store import RedisStore
 from async_rlhf.buffer.run_scope import run_prefix
 from async_rlhf.buffer.testing import RedisServer
-from async_rlhf.driver.fleet import send_control
+from async_rlhf.driver.control import send_control
 from async_rlhf.generator.stream import key_of_group
 
 pytestmark = pytest.mark.integration

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import zmq
 
-from async_rlhf.driver.fleet import ControlServer, parse_request, send_control
+from async_rlhf.driver.control import ControlServer, parse_request, send_control
 
 
 class StandInFleet:

@@ -50,7 +50,7 @@ def test_a_killed_buffer_stops_the_run_with_one_error_line(tmp_path: Path, tiny_
     import os
     import signal
 
-    from async_rlhf.driver.fleet import send_control
+    from async_rlhf.driver.control import send_control
 
     run_dir = tmp_path / "run"
     job = start_job(tmp_path, "job.log", job_args(tiny_model_dir, run_dir, 20), ray_address)

@@ -42,7 +42,7 @@ from jobs import (
 
 from async_rlhf.buffer.testing import RedisServer
 from async_rlhf.driver.checkpoints import list_checkpoints, read_manifest
-from async_rlhf.driver.fleet import send_control
+from async_rlhf.driver.control import send_control
 from async_rlhf.driver.run_lock import holder
 from async_rlhf.generator.stream import client_name, keys_of_group
 from async_rlhf.prompts.redis_stream import drawn_key, push_prompts

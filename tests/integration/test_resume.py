@@ -59,7 +59,7 @@ from jobs import (
 )
 
 from async_rlhf.driver.checkpoints import STAGING, checkpoints_dir, list_checkpoints, read_manifest, resolve_resume
-from async_rlhf.driver.fleet import send_control
+from async_rlhf.driver.control import send_control
 
 pytestmark = [pytest.mark.integration, pytest.mark.isolated]
 
