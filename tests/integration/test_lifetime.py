@@ -100,7 +100,14 @@ def _stage_a(work: Path, run_dir: Path, args: list[str]) -> dict[str, Any]:
         # generator 0, every reward failed and the run stopped)
         wait_until(lambda: newest_checkpoint_step(run_dir) >= killed_at + 2 * EVERY, "checkpoints after the kill",
                    job, log)
-        after = send_control(run_dir, {"op": "pids"})["generators"]
+        restarted: dict[str, Any] = {}
+
+        def generator_0_back() -> bool:  # a restarting actor is left out of the pids reply until it answers
+            restarted.update(send_control(run_dir, {"op": "pids"})["generators"])
+            return restarted.get("0") not in (None, pids["generators"]["0"])
+
+        wait_until(generator_0_back, "generator 0 restarted", job, log, timeout_s=120)
+        after = dict(restarted)
         freeze_when(job, lambda: past_last_checkpoint(run_dir), "a step past the last checkpoint", log)
     finally:
         kill_session(job.pid)
