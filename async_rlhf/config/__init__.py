@@ -19,12 +19,14 @@ input with one clear line) before anything heavy starts.
 from __future__ import annotations
 
 from async_rlhf.config.checks import (  # noqa: F401
+    REPORT_TARGETS,
     REWARD_SOURCES,
     check_algorithm,
     check_env,
     check_lora,
     check_model_dir,
     check_reward_model_dir,
+    parse_report_to,
     parse_reward_models,
     parse_reward_sources,
 )

@@ -120,6 +120,26 @@ def parse_reward_sources(spec: str) -> list[tuple[str, float]]:
 REWARD_SOURCES = ("task", "function", "model", "http")
 
 
+REPORT_TARGETS = ("tensorboard", "wandb", "mlflow", "none")
+"""What ``run.report_to`` may name (none: metrics.jsonl only)."""
+
+
+def parse_report_to(spec: str) -> list[str]:
+    """``"tensorboard,wandb"`` -> ["tensorboard", "wandb"] (in order, each once; ``none`` -> []); ConfigError naming
+    an unknown entry and the accepted ones."""
+    names = [s.strip().lower() for s in spec.split(",")]
+    accepted = ", ".join(REPORT_TARGETS)
+    for name in names:
+        if name not in REPORT_TARGETS:
+            what = "an empty entry" if not name else f"unknown tracker {name!r}"
+            raise ConfigError(f"run.report_to={spec!r}: {what}; use a comma-separated list of {accepted} "
+                              "(e.g. run.report_to=tensorboard,wandb; none: only run.dir/metrics.jsonl)")
+    if "none" in names and len(set(names)) > 1:
+        raise ConfigError(f"run.report_to={spec!r}: none means no tracker, so it stands alone; use a "
+                          f"comma-separated list of {accepted} (e.g. run.report_to=tensorboard,wandb)")
+    return [] if "none" in names else list(dict.fromkeys(names))
+
+
 def check_env(cfg: Config) -> None:
     r, p = cfg.rewards, cfg.prompts
     names = [n for n, _ in parse_reward_sources(r.sources)]

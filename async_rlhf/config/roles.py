@@ -189,6 +189,12 @@ class RunConfig(Section):
     """Show on the console what the roles and their libraries print (vLLM, DeepSpeed, Ray, warnings), as well as
     writing it to run.dir/logs/; off, the console shows only the launcher's own lines (ASYNC_RLHF_VERBOSE=1 in the
     launcher's environment does the same as true)."""
+    report_to: str = "tensorboard"
+    """Where the metrics go besides run.dir/metrics.jsonl (always written), comma-separated: tensorboard
+    (run.dir/tensorboard), wandb (offline into run.dir/wandb unless WANDB_MODE is set; project WANDB_PROJECT or
+    async_rlhf), mlflow (a file store in run.dir/mlruns unless MLFLOW_TRACKING_URI is set; experiment
+    MLFLOW_EXPERIMENT_NAME or async_rlhf), or none. A tracker that cannot start or log warns once and is left
+    out; the run goes on (async_rlhf/driver/trackers.py)."""
     fork_workers: bool = True
     """Start the generators' and learner ranks' Ray workers as children of a process per node that has
     already imported PyTorch, transformers, vLLM and DeepSpeed (async_rlhf/startup/forkserver.py): a role

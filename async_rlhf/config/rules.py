@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from async_rlhf.config.checks import check_algorithm, check_env, check_lora, parse_reward_sources
+from async_rlhf.config.checks import check_algorithm, check_env, check_lora, parse_report_to, parse_reward_sources
 from async_rlhf.config.errors import ConfigError
 from async_rlhf.config.fields import check_fields
 from async_rlhf.config.model_limits import resolve_model_limits
@@ -73,6 +73,7 @@ def validate(cfg: Config) -> Config:
     if not 0 <= cfg.generator.nice <= 19:
         raise ConfigError(f"generator.nice must lie in 0-19 (added niceness), got {cfg.generator.nice}")
     _check_cpus(cfg)
+    parse_report_to(cfg.run.report_to)
     check_algorithm(cfg)
     check_lora(cfg)
     check_env(cfg)

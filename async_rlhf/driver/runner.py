@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from async_rlhf.config import Config
+from async_rlhf.config import Config, parse_report_to
 from async_rlhf.driver.agreement import agreement_summary, mismatch_failure, mismatch_note
 from async_rlhf.driver.beside import Beside, TaskResult, final_figure
 from async_rlhf.driver.cluster import (
@@ -97,7 +97,8 @@ def train(cfg: Config, cluster: Cluster, run_dir: Path, resume: Path | None = No
 
     run_dir.mkdir(parents=True, exist_ok=True)  # a bench's run in a fresh directory
     progress = TrainProgress.start(cfg, cluster, run_dir, resume)
-    writer = MetricsWriter(run_dir)
+    # metrics.jsonl, and run.report_to's trackers (given config.json's content: no secrets)
+    writer = MetricsWriter(run_dir, parse_report_to(cfg.run.report_to), json.loads(cfg.to_json()))
     buffer = make_client(cfg, cluster.buffer_address, consumer="launcher")
     watch = BufferWatch(cluster, buffer)
     t_start = time.time()
