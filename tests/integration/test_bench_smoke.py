@@ -107,11 +107,26 @@ def test_vs_trl_bench(tmp_path: Path, tiny_model_dir: Path) -> None:
     if importlib.util.find_spec("trl") is None:
         pytest.skip("bench/vs_trl.py needs the bench extra (pip install -e '.[cpu,dev,bench]'): TRL is not installed")
     out = tmp_path / "new" / "vs_trl.json"
-    data = run_bench("vs_trl.py", ["--budget-s", str(VS_TRL_BUDGET_S), "--tasks", "addition",
+    data = run_bench("vs_trl.py", ["--budget-s", str(VS_TRL_BUDGET_S), "--tasks", "addition", "--seeds", "2",
                                    "--model", str(tiny_model_dir), "--out", str(out)], out)
     (task,) = data["tasks"]
     assert {"task", "trl_accuracy_end", "trl_time_s", "time_to_trl_accuracy_s", "trl_samples_per_s",
-            "ours_samples_per_s", "learner_push_wait_fraction"} <= set(task)
+            "ours_samples_per_s", "learner_push_wait_fraction"} <= set(task)  # seed 0's, as for a single run
     assert task["trl_time_s"] >= VS_TRL_BUDGET_S and task["ours_time_s"] > 0  # the budget is honoured
     assert task["trl_samples_per_s"] > 0 and task["ours_samples_per_s"] > 0
-    assert (out.parent / "addition_curves.png").stat().st_size > 0
+    # over seeds: both sides run once per seed, each reading per seed with its mean and std
+    assert data["seeds"] == 2 and [r["seed"] for r in task["per_seed"]] == [0, 1]
+    for side in ("trl", "ours"):
+        got = task[side]
+        assert len(got["time_to_target_s"]) == len(got["accuracy_end"]) == 2
+        assert {"time_to_target_s_mean", "time_to_target_s_std", "accuracy_end_mean", "accuracy_end_std",
+                "never_reached", "accuracy_at_equal_time", "accuracy_at_equal_samples"} <= set(got)
+    assert all(r["trl_time_s"] >= VS_TRL_BUDGET_S and r["ours_time_s"] > 0 for r in task["per_seed"])
+    assert all("samples" in p for r in task["per_seed"] for p in r["trl_curve"] + r["ours_curve"])
+    # CPU by kind of process: the engine and the learner each used some within the window
+    by = task["cpu_ms_per_generated_sample_by_process"]
+    assert by["trl"]["trl"] > 0 and {"engine", "learner", "buffer", "ray", "driver", "total"} <= set(by["ours"])
+    assert all(r["ours_cpu_s_by_process"]["engine"] > 0 and r["ours_cpu_s_by_process"]["learner"] > 0
+               for r in task["per_seed"]), [r["ours_cpu_s_by_process"] for r in task["per_seed"]]
+    assert (out.parent / "addition_seeds.png").stat().st_size > 0
+    assert (out.parent / "addition_seed1_ours.log").stat().st_size > 0
