@@ -22,6 +22,8 @@ AboveZero = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 """Seconds, rates and scales for which 0 (or less) means nothing sensible."""
 Probability = Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)]
 """A chance above 0, at most 1."""
+Share = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
+"""A fraction from 0 to 1, both included."""
 Port = Annotated[int, Field(ge=0, le=65535)]
 """A TCP port; 0 picks a free one."""
 

@@ -1,7 +1,8 @@
 """CLI of the tiny policy.
 
     python -m async_rlhf.tiny build --out DIR [--seed N]
-    python -m async_rlhf.tiny sft --base DIR --out DIR --steps N [--digits D] [--forget-carry P] [--seed N]
+    python -m async_rlhf.tiny sft --base DIR --out DIR --steps N [--digits D] [--forget-carry P] [--clean-share F]
+        [--seed N]
     python -m async_rlhf.tiny prepare --cache DIR [--digits D] [--sft-steps N] [--seed N]
     python -m async_rlhf.tiny llama-bpe --cache DIR      (the Llama + byte-level BPE chat model of the tests)
 """
@@ -33,6 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     p_sft.add_argument("--batch-size", type=int, default=None)
     p_sft.add_argument("--lr", type=float, default=None)
     p_sft.add_argument("--forget-carry", type=float, default=None, help="sloppy-teacher rate (default 0.65)")
+    p_sft.add_argument("--clean-share", type=float, default=None,
+                       help="share of the steps, first, by the correct teacher alone (default 0.5)")
     p_sft.add_argument("--seed", type=int, default=0)
     p_prep = sub.add_parser("prepare", help="build + SFT into a cache dir (once); print path, accuracy")
     p_prep.add_argument("--cache", type=Path, required=True)
@@ -60,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
         print(prepare_llama_bpe(args.cache))
     elif args.cmd == "sft":
         task = AdditionTask(digits=args.digits, heldout_size=args.heldout_size)  # canonical held-out split
-        options = (("batch_size", args.batch_size), ("lr", args.lr), ("forget_carry", args.forget_carry))
+        options = (("batch_size", args.batch_size), ("lr", args.lr), ("forget_carry", args.forget_carry),
+                   ("clean_share", args.clean_share))
         kwargs = {k: v for k, v in options if v is not None}
         print(sft.sft_warm_start(args.base, args.out, task, steps=args.steps, seed=args.seed, **kwargs))
     else:

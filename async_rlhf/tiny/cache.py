@@ -44,6 +44,7 @@ def tiny_settings(task_cfg: TaskConfig, seed: int = 0) -> dict[str, Any]:
         "sft_batch_size": SFT_BATCH_SIZE,
         "sft_lr": SFT_LR,
         "sft_forget_carry": float(task_cfg.sft_forget_carry),
+        "sft_clean_share": float(task_cfg.sft_clean_share),
         "seed": seed,
         "arch": [HIDDEN_SIZE, NUM_LAYERS, NUM_HEADS, NUM_KV_HEADS, INTERMEDIATE_SIZE, MAX_POSITIONS],
     }

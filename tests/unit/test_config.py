@@ -12,7 +12,7 @@ def test_defaults_validate():
     cfg = load_config()
     assert cfg == Config()
     assert validate(Config()) == Config()
-    assert cfg.train.steps == 300 and cfg.generators == 2 and cfg.learners == 1
+    assert cfg.train.steps == 100 and cfg.generators == 2 and cfg.learners == 1
 
 
 def test_yaml_then_overrides_precedence(tmp_path):
