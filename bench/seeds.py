@@ -119,8 +119,9 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for r in rows:
-        if r.get("curve"):
-            ax.plot([e["version"] for e in r["curve"]], [e["accuracy"] for e in r["curve"]],
+        if r.get("curve"):  # the evaluations during the run, then the end policy's at its last step
+            ax.plot([e["version"] for e in r["curve"]] + [r["steps"]],
+                    [e["accuracy"] for e in r["curve"]] + [r["accuracy_end"]],
                     label=f"seed {r['seed']}: {r['accuracy_end']:.3f}", alpha=0.8)
     ax.axhline(GOAL, color="grey", linestyle=":", linewidth=1)
     ax.set_xlabel("policy version (learner steps)")
