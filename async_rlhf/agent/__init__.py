@@ -3,9 +3,12 @@
     ledger.py      EpisodeLedger: one episode's token ids, loss mask, behaviour log-probs and versions per branch,
                    exact by construction (sampled ids are never re-rendered); plan -> engine -> record
     tool_calls.py  ToolCallParser: assistant text -> content + tool calls, through vLLM's tool-call parsers
+    engine.py      TokenEngine: the seam to the engine (prompt ids -> sampled ids, log-probs, versions; streamed)
+    episodes.py    EpisodeRegistry: episode id -> ledger, calls serialized, deadlines, idempotent retries
+    endpoint.py    build_app: the OpenAI-compatible HTTP app (/s/<episode id>/v1/chat/completions; fastapi)
 
 Nothing here imports transformers or vLLM at module level: the tokenizer is passed in, vLLM's parser is
-imported on the first completion that needs it.
+imported on the first completion that needs it. endpoint.py imports fastapi; this package's import does not.
 """
 
 from async_rlhf.agent.ledger import Branch, EpisodeLedger, Plan, RecordedTurn, common_prompt_len
