@@ -130,3 +130,21 @@ def test_vs_trl_bench(tmp_path: Path, tiny_model_dir: Path) -> None:
                for r in task["per_seed"]), [r["ours_cpu_s_by_process"] for r in task["per_seed"]]
     assert (out.parent / "addition_seeds.png").stat().st_size > 0
     assert (out.parent / "addition_seed1_ours.log").stat().st_size > 0
+
+
+def test_seeds_bench(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """bench/seeds.py: the demo's command once per seed (two seeds, two steps each, from the random tiny model so
+    no warm start is built), a row per seed with the JSON its docstring promises and the figure beside it."""
+    out = tmp_path / "new" / "seeds.json"
+    data = run_bench("seeds.py", ["--seeds", "2", "--first-seed", "3", "--out", str(out), "--set",
+                                  f"model.path={tiny_model_dir}", "train.steps=2", "task.heldout_size=20", *TINY_RUN],
+                     out)
+    assert [r["seed"] for r in data["rows"]] == [3, 4], data["rows"]
+    for row in data["rows"]:
+        assert {"accuracy_start", "accuracy_end", "train_s", "startup_s", "steps", "step_to_0.9", "curve"} <= set(row)
+        assert row["steps"] == 2 and 0.0 <= row["accuracy_end"] <= 1.0 and row["train_s"] > 0
+        assert json.loads((out.parent / f"seed-{row['seed']}" / "config.json").read_text())["train"]["seed"] == row[
+            "seed"]
+    assert 0.0 <= data["share_at_least_0.9"] <= 1.0 and data["failed_runs"] == 0
+    assert data["machine"]["cpu_model"] and data["commit"]
+    assert (out.parent / "seeds.png").stat().st_size > 0
