@@ -35,9 +35,11 @@ OUR_LOGGERS = ("async_rlhf", "launch")
 """The loggers whose records are the launcher's own: their warnings and errors reach the console."""
 OUR_PACKAGES = ("async_rlhf", "launch")
 """Where the code whose ``print`` lines are the launcher's lives (launch/cluster.py runs as ``__main__``)."""
-PRINT_WRAPPERS = ("ray.experimental.tqdm_ray",)
-"""Modules whose function replaces ``builtins.print`` in the driver: Ray's driver patches in tqdm_ray's
-``safe_print`` once it prints a worker's error (a learner's death), and every print after comes through it."""
+PRINT_WRAPPERS = ("ray.experimental.tqdm_ray", "wandb.sdk.lib.console_capture")
+"""Modules whose function stands between a ``print`` and the driver's sys.stdout: Ray's driver patches in tqdm_ray's
+``safe_print`` for ``builtins.print`` once it prints a worker's error (a learner's death), and ``wandb.init``
+(``run.report_to=wandb``) replaces ``sys.stdout.write`` by its console-capture callback even with capture off;
+every print after comes through them, and the writer is whoever called them."""
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 _console_err: TextIO | None = None

@@ -83,6 +83,12 @@ DRIVER = """
     builtins.print = wrapper["safe_print"]
     print("after a worker died", flush=True)
     exec("print('a library print through the wrapper')", {"__name__": "somelib"})
+    # wandb.init (run.report_to=wandb) patches sys.stdout.write, even with console capture off
+    capture = {"__name__": "wandb.sdk.lib.console_capture", "sys": sys}
+    exec("_write = sys.stdout.write\\ndef write_with_callbacks(s):\\n    return _write(s)\\n"
+         "sys.stdout.write = write_with_callbacks", capture)
+    print("after a tracker patched stdout", flush=True)
+    exec("print('a library print through the patched stdout')", {"__name__": "somelib"})
 """
 
 
@@ -92,12 +98,13 @@ def test_the_launcher_console_keeps_only_our_lines(tmp_path: Path) -> None:
     logs = tmp_path / "run" / "logs"
     assert res.stdout.splitlines() == [f"logs: {logs} (each role's output; run.verbose=true or "
                                        "ASYNC_RLHF_VERBOSE=1 shows it here)", "progress line",
-                                       "after a worker died"]
+                                       "after a worker died", "after a tracker patched stdout"]
     assert res.stderr.splitlines()[0].endswith("WARNING async_rlhf.driver.cluster: our warning")
     assert res.stderr.splitlines()[1:] == ["error: ours"]
     driver = (logs / "driver.log").read_text()
     for line in ("our warning", "a library's notice", "a FutureWarning", "a progress bar", "fd 1 write",
-                 "a library print", "Setting accelerator to CPU", "a library print through the wrapper"):
+                 "a library print", "Setting accelerator to CPU", "a library print through the wrapper",
+                 "a library print through the patched stdout"):
         assert line in driver, driver
     assert "progress line" not in driver and "error: ours" not in driver
 
