@@ -11,8 +11,9 @@ Nothing here imports transformers or vLLM at module level: the tokenizer is pass
 imported on the first completion that needs it. endpoint.py imports fastapi; this package's import does not.
 """
 
-from async_rlhf.agent.ledger import Branch, EpisodeLedger, Plan, RecordedTurn, common_prompt_len
+from async_rlhf.agent.ledger import EpisodeLedger
 from async_rlhf.agent.tool_calls import ParsedCompletion, ToolCallParser
+from async_rlhf.agent.turns import Branch, Plan, RecordedTurn, common_prompt_len
 
 __all__ = ["Branch", "EpisodeLedger", "ParsedCompletion", "Plan", "RecordedTurn", "ToolCallParser",
            "common_prompt_len"]

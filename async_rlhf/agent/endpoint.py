@@ -57,7 +57,7 @@ from starlette.exceptions import HTTPException
 
 from async_rlhf.agent.engine import EngineResult, SamplingSpec, TokenEngine, stream_of
 from async_rlhf.agent.episodes import EndpointError, Episode, EpisodeRegistry
-from async_rlhf.agent.ledger import RecordedTurn
+from async_rlhf.agent.turns import RecordedTurn
 
 log = logging.getLogger(__name__)
 ROUTES = "POST /s/<episode id>/v1/chat/completions and GET /s/<episode id>/v1/models"

@@ -41,8 +41,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from async_rlhf.agent.engine import EngineResult
-from async_rlhf.agent.ledger import EpisodeLedger, RecordedTurn
+from async_rlhf.agent.ledger import EpisodeLedger
 from async_rlhf.agent.tool_calls import ToolCallParser
+from async_rlhf.agent.turns import RecordedTurn
 
 Sampler = Callable[[list[int]], Awaitable[EngineResult]]
 """What a call does with the plan's prompt ids: sample them (the endpoint's closure over the engine)."""

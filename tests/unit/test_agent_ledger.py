@@ -18,7 +18,7 @@ import pytest
 from agent_templates import QWEN25_TEMPLATE, TOOLS, fresh_tokenizer  # tests/agent_templates.py
 
 from async_rlhf.agent import EpisodeLedger, common_prompt_len
-from async_rlhf.agent.ledger import template_message
+from async_rlhf.agent.turns import template_message
 from async_rlhf.types import Group, Sample
 
 PLAIN_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
