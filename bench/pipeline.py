@@ -240,7 +240,8 @@ def pipeline(overrides: list[str], model_path: str, run_dir: Path, steps: int, s
 
     from async_rlhf.config import load_config
     from async_rlhf.driver.cluster import Cluster, heldout_accuracy
-    from async_rlhf.driver.runner import train, write_timeline
+    from async_rlhf.driver.runner import train
+    from async_rlhf.driver.timeline_figures import write_timeline
     from async_rlhf.plots import BUSY
     from async_rlhf.timeline import busy_fraction_between
 

@@ -51,7 +51,7 @@ def test_busy_fraction_between_clips_intervals_to_the_window() -> None:
 
 
 def test_learner_fractions_count_compute_and_push_wait_only() -> None:
-    from async_rlhf.driver.runner import learner_fractions
+    from async_rlhf.driver.timeline_figures import learner_fractions
 
     ranks = [{"role": "learner 0", "totals": {"forward_backward": 5.0, "optimizer": 1.0, "push_wait": 2.0,
                                               "wait_data": 2.0}},
