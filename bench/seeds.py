@@ -29,23 +29,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.machine import describe, finish, git_commit, machine_record, stamp  # noqa: E402
+from bench.vs_trl import read_jsonl  # noqa: E402  (a metrics.jsonl that may be half written)
 
 DEMO = ["--generators", "2", "--learners", "1"]
 """The demo's command line (Makefile ``demo``) without its run directory."""
 GOAL = 0.9
 """Held-out accuracy a demo run should end at (issue 47: on at least 9 seeds of 10)."""
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.is_file():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            break
-    return rows
 
 
 def eval_curve(run_dir: Path) -> list[dict[str, float]]:

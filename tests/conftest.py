@@ -98,6 +98,27 @@ def load_bench() -> Callable[[str], ModuleType]:
     return load
 
 
+# bench/vs_trl.py and its modules, for the two vs_trl test files (loaded once per test module)
+@pytest.fixture(scope="module")
+def bench(load_bench: Callable[[str], ModuleType]) -> ModuleType:
+    return load_bench("vs_trl.py")
+
+
+@pytest.fixture(scope="module")
+def stats(load_bench: Callable[[str], ModuleType]) -> ModuleType:
+    return load_bench("vs_trl_stats.py")
+
+
+@pytest.fixture(scope="module")
+def process_cpu(load_bench: Callable[[str], ModuleType]) -> ModuleType:
+    return load_bench("process_cpu.py")
+
+
+@pytest.fixture(scope="module")
+def vs_report(load_bench: Callable[[str], ModuleType]) -> ModuleType:
+    return load_bench("vs_trl_report.py")
+
+
 @pytest.fixture(scope="session")
 def llama_bpe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The ~1 M-parameter Llama with a byte-level BPE tokenizer, chat template and generation config

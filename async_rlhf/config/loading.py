@@ -69,12 +69,13 @@ def _convert(raw: Any, hint: Any, key: str, origin: str) -> Any:
     return raw
 
 
-def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested sections as dotted keys: ``{"train": {"lr": 1}}`` -> ``{"train.lr": 1}``."""
     out: dict[str, Any] = {}
     for key, value in data.items():
         dotted = f"{prefix}{key}"
         if isinstance(value, dict):
-            out.update(_flatten(value, dotted + "."))
+            out.update(flatten(value, dotted + "."))
         else:
             out[dotted] = value
     return out
@@ -95,7 +96,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"config file {p} is not valid YAML: {exc}".splitlines()[0]) from None
         if not isinstance(data, dict):
             raise ConfigError(f"config file {p} must hold a mapping of sections, got {type(data).__name__}")
-        for key, value in _flatten(data).items():
+        for key, value in flatten(data).items():
             _set_nested(cfg, key, value, str(p))
     for item in overrides or []:
         if "=" not in item:

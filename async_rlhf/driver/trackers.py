@@ -187,17 +187,12 @@ def metric_name(key: str, limit: int = 250) -> str:
     return re.sub(r"[^\w\-.: /]", "_", key)[:limit]
 
 
-def flat_params(config: dict[str, Any], prefix: str = "") -> dict[str, str]:
+def flat_params(config: dict[str, Any]) -> dict[str, str]:
     """config.json's content as MLflow params: dotted keys (``train.objective.kind``), values as text (lists and
     other non-scalars as JSON)."""
-    out: dict[str, str] = {}
-    for key, value in config.items():
-        dotted = f"{prefix}{key}"
-        if isinstance(value, dict):
-            out.update(flat_params(value, dotted + "."))
-        else:
-            out[dotted] = value if isinstance(value, str) else json.dumps(value)
-    return out
+    from async_rlhf.config.loading import flatten
+
+    return {k: v if isinstance(v, str) else json.dumps(v) for k, v in flatten(config).items()}
 
 
 def chunks(items: list[Any], size: int) -> Iterable[list[Any]]:

@@ -8,26 +8,6 @@ from typing import Any
 import pytest
 
 
-@pytest.fixture(scope="module")
-def bench(load_bench: Any) -> Any:
-    return load_bench("vs_trl.py")
-
-
-@pytest.fixture(scope="module")
-def stats(load_bench: Any) -> Any:
-    return load_bench("vs_trl_stats.py")
-
-
-@pytest.fixture(scope="module")
-def process_cpu(load_bench: Any) -> Any:
-    return load_bench("process_cpu.py")
-
-
-@pytest.fixture(scope="module")
-def vs_report(load_bench: Any) -> Any:
-    return load_bench("vs_trl_report.py")
-
-
 def curve(*points: tuple[float, float]) -> list[dict[str, float]]:
     return [{"time_s": t, "accuracy": a} for t, a in points]
 

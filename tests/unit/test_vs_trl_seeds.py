@@ -22,26 +22,6 @@ SITE = "/home/me/async_rlhf/.venv/lib/python3.11/site-packages"
 SESSION = "/tmp/ray/session_2026-11-29_07-12-30_123456_4242"
 
 
-@pytest.fixture(scope="module")
-def bench(load_bench: Any) -> Any:
-    return load_bench("vs_trl.py")
-
-
-@pytest.fixture(scope="module")
-def stats(load_bench: Any) -> Any:
-    return load_bench("vs_trl_stats.py")
-
-
-@pytest.fixture(scope="module")
-def process_cpu(load_bench: Any) -> Any:
-    return load_bench("process_cpu.py")
-
-
-@pytest.fixture(scope="module")
-def vs_report(load_bench: Any) -> Any:
-    return load_bench("vs_trl_report.py")
-
-
 def curve(*points: tuple[float, int, float]) -> list[dict[str, float]]:
     """Points of (time_s, samples trained, accuracy)."""
     return [{"time_s": t, "step": n // 64, "samples": n, "accuracy": a} for t, n, a in points]
