@@ -60,6 +60,7 @@ from async_rlhf.config.roles import (  # noqa: F401
     RunConfig,
     SyncConfig,
 )
+from async_rlhf.config.agent import AgentConfig  # noqa: F401
 from async_rlhf.config.rules import (  # noqa: F401
     drops_zero_advantage,
     parse_custom_resources,

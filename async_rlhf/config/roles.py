@@ -7,6 +7,7 @@ from typing import Literal
 
 from pydantic import Field
 
+from async_rlhf.config.agent import AgentConfig
 from async_rlhf.config.fields import AboveZero, AtLeastOne, Count, NonNegative, Port, Section
 from async_rlhf.config.sections import ModelConfig, PromptsConfig, RewardsConfig, TaskConfig, TrainConfig
 
@@ -20,9 +21,10 @@ class GeneratorConfig(Section):
     """Prompt groups each generator keeps in flight (subject to the admission rule)."""
     update_mode: Literal["in_flight", "drain"] = "in_flight"
     """How a new version is loaded: in_flight (pause between engine steps, swap, resume) or drain."""
-    kv_cache_gib: AboveZero = 1.0
-    """KV cache of each CPU engine, GiB; fractions too (0.05: ~54 MB, plenty for the tiny models). Passed as vLLM's
-    kv_cache_memory_bytes (its VLLM_CPU_KVCACHE_SPACE takes whole GiB only); the GPU engine sizes its cache by
+    kv_cache_gib: AboveZero | Literal["auto"] = "auto"
+    """KV cache of each CPU engine, GiB (fractions too), or auto: what the engine can use, groups_in_flight x
+    group_size sequences (+ the held-out prompts) of max_model_len in whole KV blocks (33 MiB for the tiny model;
+    async_rlhf/generator/engine_args.py kv_cache_plan). The GPU engine sizes its cache by
     generator.gpu_memory_utilization instead."""
     threads: AtLeastOne = 1
     """Torch threads per generator process."""
@@ -246,6 +248,7 @@ class Config(Section):
     resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
     rewards: RewardsConfig = Field(default_factory=RewardsConfig)
     prompts: PromptsConfig = Field(default_factory=PromptsConfig)
+    agent: AgentConfig = Field(default_factory=AgentConfig)
     generators: AtLeastOne = 2
     """Generator actors (one vLLM engine each)."""
     learners: AtLeastOne = 1

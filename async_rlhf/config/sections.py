@@ -19,10 +19,11 @@ class ModelConfig(Section):
 
 
 class TaskConfig(Section):
-    name: Literal["addition", "guess_number", "reward_model", "custom", "longtail"] = "addition"
+    name: Literal["addition", "guess_number", "reward_model", "custom", "longtail", "agent"] = "addition"
     """The environment: addition (the tiny verifiable task) | guess_number (multi-turn, a reward per turn) |
     reward_model (addition prompts scored by rewards.model_path) | custom (prompts.* scored by rewards.*) |
-    longtail (answers of 1-40 tokens, heavy-tailed: async_rlhf/env/longtail.py)."""
+    longtail (answers of 1-40 tokens, heavy-tailed: async_rlhf/env/longtail.py) | agent (the user's agent code
+    drives episodes through an OpenAI-compatible endpoint: the agent section, docs/agents.md)."""
     max_turns: AtLeastOne = 3
     """Most turns of a multi-turn episode (guess_number)."""
     digits: AtLeastOne = 2
