@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from async_rlhf.generator.stream import keys_of_group
+from async_rlhf.prompt_keys import keys_of_group
 
 Windows = dict[int, tuple[int, frozenset[int]]]
 
@@ -45,7 +45,7 @@ def decode_windows(raw: Any) -> Windows:
 def is_open(group_id: str, windows: Windows) -> bool:
     """Whether a group's prompts are still open in the ledger ``windows`` describe (see the module's doc); a
     group of a generator ``windows`` leaves out, or an id that names no prompt (not made by
-    ``generator.stream.group_id``), is not: False."""
+    ``prompt_keys.group_id``), is not: False."""
     try:
         keys = keys_of_group(group_id)
     except ValueError:

@@ -13,48 +13,20 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
+# the prompt key and group-id grammar lives below the packages that read it (async_rlhf/prompt_keys.py); named
+# here as well for the modules that take it from the stream
+from async_rlhf.prompt_keys import group_id as group_id
+from async_rlhf.prompt_keys import key_of_group as key_of_group
+from async_rlhf.prompt_keys import keys_of_group as keys_of_group
+from async_rlhf.prompt_keys import prompt_key as prompt_key
+
 P = TypeVar("P")
-
-
-def prompt_key(gen_id: int, seq: int) -> str:
-    return f"{gen_id}:{seq}"
 
 
 def client_name(gen_id: int) -> str:
     """Generator ``gen_id``'s name as a buffer client and prompt consumer: the buffer counts the admission slots
     it holds under it (the driver releases them by this name when the generator dies)."""
     return f"generator-{gen_id}"
-
-
-def group_id(gen_id: int, tag: str, seq: int, passed_over: int = 0) -> str:
-    """The id of one prompt group; :func:`key_of_group` recovers its prompt key from it. ``passed_over``: how
-    many prompts drawn right before it (positions ``seq - passed_over .. seq - 1``) the prompt filter skipped;
-    they are used up with this group (:func:`keys_of_group`), so no ledger keeps them outstanding."""
-    return f"g{gen_id}-{tag}-{seq}" + (f"~{passed_over}" if passed_over else "")
-
-
-def _parse(group_id: str) -> tuple[int, int, int]:
-    head, _, tail = group_id.rpartition("-")
-    seq, marked, passed = tail.partition("~")
-    gen = head.split("-", 1)[0]
-    if (not gen.startswith("g") or not gen[1:].isdigit() or not seq.isdigit()
-            or (marked and (not passed.isdigit() or int(passed) >= int(seq)))):
-        raise ValueError(f"group id {group_id!r} does not name a prompt (expected g<gen>-<tag>-<seq>[~<passed>])")
-    return int(gen[1:]), int(seq), int(passed or 0)
-
-
-def key_of_group(group_id: str) -> str:
-    """``g3-ab12cd-17`` (or ``g3-ab12cd-17~2``) -> ``3:17``; raises ValueError for an id not made by
-    :func:`group_id`."""
-    gen, seq, _ = _parse(group_id)
-    return prompt_key(gen, seq)
-
-
-def keys_of_group(group_id: str) -> list[str]:
-    """Every prompt key a group uses up: the prompts passed over right before it, then its own
-    (``g3-ab12cd-17~2`` -> ``3:15, 3:16, 3:17``)."""
-    gen, seq, passed = _parse(group_id)
-    return [prompt_key(gen, s) for s in range(seq - passed, seq + 1)]
 
 
 @runtime_checkable
