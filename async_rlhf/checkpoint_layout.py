@@ -21,3 +21,8 @@ def checkpoint_name(step: int) -> str:
 
 def staging_dir(run_dir: str | Path, step: int) -> Path:
     return checkpoints_dir(run_dir) / f"{STAGING}{checkpoint_name(step)}"
+
+
+def run_dir_of(ckpt: Path) -> Path:
+    """The run directory a checkpoint belongs to (``run/checkpoints/step-N`` -> ``run``)."""
+    return ckpt.resolve().parent.parent

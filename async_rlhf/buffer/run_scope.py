@@ -42,7 +42,7 @@ def run_id_for(run_dir: str | Path, resume: str | Path | None) -> str:
     prefix)."""
     if resume is None:
         return new_run_id()
-    from async_rlhf.driver.checkpoints import run_dir_of
+    from async_rlhf.checkpoint_layout import run_dir_of
 
     return recorded_run_id(run_dir_of(Path(resume))) or recorded_run_id(run_dir)
 

@@ -27,6 +27,7 @@ from async_rlhf.checkpoint_layout import (
     STAGING,
     checkpoint_name,
     checkpoints_dir,
+    run_dir_of,
     staging_dir,
 )
 from async_rlhf.config import ConfigError
@@ -162,11 +163,6 @@ def resolve_resume(path: str | Path) -> Path:
         return resolve_resume(found[-1])
     raise ConfigError(f"--resume {path} is not a checkpoint: it has no {MANIFEST} and no checkpoints/step-N "
                       "inside; pass the run directory of a run that wrote a checkpoint (run.checkpoint_every)")
-
-
-def run_dir_of(ckpt: Path) -> Path:
-    """The run directory a checkpoint belongs to (``run/checkpoints/step-N`` -> ``run``)."""
-    return ckpt.resolve().parent.parent
 
 
 def truncate_jsonl(path: Path, keep_lines: int) -> None:
