@@ -18,6 +18,7 @@ input with one clear line) before anything heavy starts.
 
 from __future__ import annotations
 
+from async_rlhf.config.agent import AgentConfig  # noqa: F401
 from async_rlhf.config.checks import (  # noqa: F401
     REPORT_TARGETS,
     REWARD_SOURCES,
@@ -60,7 +61,6 @@ from async_rlhf.config.roles import (  # noqa: F401
     RunConfig,
     SyncConfig,
 )
-from async_rlhf.config.agent import AgentConfig  # noqa: F401
 from async_rlhf.config.rules import (  # noqa: F401
     drops_zero_advantage,
     parse_custom_resources,
