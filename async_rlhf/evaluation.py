@@ -18,7 +18,7 @@ from async_rlhf.config import Config
 from async_rlhf.env.base import Prompt
 from async_rlhf.rewards.base import Completion, RewardSource
 
-BUILTIN_HELDOUT = ("addition", "longtail", "reward_model")
+BUILTIN_HELDOUT = ("addition", "longtail", "reward_model", "agent")
 """Tasks whose own held-out problems the launcher scores (accuracy_start/_end); any other task reports the
 held-out figure of prompts.eval_path only, never another task's."""
 

@@ -55,7 +55,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from async_rlhf.agent.engine import EngineResult, SamplingSpec, TokenEngine, stream_of
+from async_rlhf.agent.engine import EPISODE, EngineResult, SamplingSpec, TokenEngine, stream_of
 from async_rlhf.agent.episodes import EndpointError, Episode, EpisodeRegistry
 from async_rlhf.agent.turns import RecordedTurn
 
@@ -254,6 +254,7 @@ def build_app(registry: EpisodeRegistry, engine: TokenEngine, model_name: str) -
 
         if not options["stream"]:
             async def sample(prompt_ids: list[int]) -> EngineResult:
+                EPISODE.set(episode_id)  # this call's own task: the context ends with it
                 return await engine.generate(prompt_ids, spec)
 
             future = registry.submit(episode_id, key, messages, tools, sample)
@@ -265,6 +266,7 @@ def build_app(registry: EpisodeRegistry, engine: TokenEngine, model_name: str) -
         ep_holder: list[Episode] = []
 
         async def stream_sample(prompt_ids: list[int]) -> EngineResult:
+            EPISODE.set(episode_id)
             ep = registry.episodes[episode_id]
             queue.put_nowait(("id", f"chatcmpl-{episode_id}-{ep.ledger.counters['turns']}"))
             ids: list[int] = []

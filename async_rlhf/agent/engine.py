@@ -2,9 +2,9 @@
 
 The endpoint never sees text going to the engine: it sends the ledger's prompt ids and gets sampled ids back, each
 with its behaviour log-prob and the policy version that sampled it (a turn may span a weight push). The generator
-actor's vLLM engine loop will implement this (a later session: same admission, staleness bound and version
-stamping as every other request, stop ids those of ``async_rlhf.tokenizer.stop_token_ids``); the unit tests use a
-scripted fake.
+actor's vLLM engine loop implements it (same admission, staleness bound and version
+stamping as every other request, stop ids those of ``async_rlhf.tokenizer.stop_token_ids``: ``policy_engine.py``); the
+unit tests of the HTTP layer use a scripted fake.
 
     class TokenEngine(Protocol):
         async def generate(prompt_ids, params: SamplingSpec) -> EngineResult
@@ -15,8 +15,13 @@ scripted fake.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
+
+EPISODE: ContextVar[str | None] = ContextVar("agent_episode", default=None)
+"""The episode a ``generate``/``stream`` call samples for (set by the endpoint around each engine call): an engine
+that keeps per-episode records (the generator's, which checks the trained ids against its outputs) reads it."""
 
 
 @dataclass(frozen=True)

@@ -76,6 +76,8 @@ class Episode:
     latest_key: dict[str, str] = field(default_factory=dict)
     """Body digest -> the key of the latest call with that body (what a body-matched retry reuses)."""
     calls: int = 0
+    timed_out: bool = False
+    """Set when the episode is taken: it had passed its deadline (``status`` then reads ``closed``)."""
 
     def key(self, header: str | None, digest: str, retry_count: int) -> str:
         """The idempotency key of a call (see the module docstring)."""

@@ -294,6 +294,10 @@ class EpisodeLedger:
         """Every branch, in creation order: each is its own trainable sequence."""
         return list(self._branches)
 
+    def turns_in_order(self) -> list[RecordedTurn]:
+        """Every recorded turn, in the order it was sampled (one per engine call; replays add none)."""
+        return list(self._by_response.values())
+
     def turn(self, response_id: str) -> RecordedTurn | None:
         return self._by_response.get(response_id)
 

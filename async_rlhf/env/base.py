@@ -130,6 +130,15 @@ class Trajectory:
         )
 
 
+class DropGroup(Exception):
+    """Raised by an environment to drop the group it is playing (counted under ``reason``, its admission given back,
+    its prompt issued again by the driver's ledger), e.g. an agent episode past its deadline."""
+
+    def __init__(self, reason: str, message: str = "") -> None:
+        super().__init__(message or reason)
+        self.reason = reason
+
+
 class Environment(ABC):
     """How a prompt becomes a trajectory; ``name`` is what ``task.name`` selects."""
 
@@ -148,6 +157,13 @@ class Environment(ABC):
         """The environment's own reward of a completion (reward source ``task``)."""
         raise ValueError(f"task.name={self.name} has no verifier of its own: set rewards.sources to function, "
                          "model or http")
+
+    def close(self) -> None:
+        """Release what the environment holds (threads, servers) when its generator's loop ends."""
+
+    def score_heldout(self, prompt: Prompt, completion: str) -> float:
+        """The held-out evaluation's score of a greedy completion (default: ``verify``)."""
+        return self.verify(prompt, completion)
 
     @property
     def has_verifier(self) -> bool:

@@ -28,9 +28,13 @@ def make_env(cfg: TaskConfig) -> Environment:
         return LongTailEnv(LongTailTask(heldout_size=cfg.heldout_size))
     if cfg.name == "guess_number":
         return GuessNumberEnv(max_turns=cfg.max_turns)
+    if cfg.name == "agent":  # the agent's task (agent.task: addition); the generator attaches its endpoint
+        from async_rlhf.agent.environment import AgentEnv
+
+        return AgentEnv(AdditionEnv(make_task(cfg)))
     if cfg.name == "custom":
         env = SingleTurnEnv()
         env.name = "custom"
         return env
-    raise ValueError(f"task.name={cfg.name!r} is not a known task; use addition, guess_number, reward_model "
-                     "or custom")
+    raise ValueError(f"task.name={cfg.name!r} is not a known task; use addition, guess_number, reward_model, "
+                     "longtail, agent or custom")

@@ -104,6 +104,10 @@ class GeneratorActor(LoopPhases):
         self.env = make_env(cfg.task)
         self.policy = EnginePolicy(self._add_turn_request, self._encode, self._decode,
                                    cfg.generator.max_new_tokens, context_len(cfg))  # the engine's window
+        if cfg.task.name == "agent":  # the user's agent drives episodes through this generator's endpoint
+            from async_rlhf.agent.build import serve_agents
+
+            serve_agents(self.env, cfg, self.tokenizer, self.stop_ids, self.policy, model_path)
         self._fit = PromptFit(context_len(cfg))
         """Prompts without room in the context window are passed over, or the run stops (prompt_fit.py)."""
         self._groups: dict[str, Any] = {}
@@ -206,6 +210,7 @@ class GeneratorActor(LoopPhases):
                     "position": self._position,
                     **self.counters, "evals": list(self.evals),
                     "prompts_skipped": self.prompt_filter.skipped if self.prompt_filter is not None else 0,
+                    **getattr(self.env, "counters", {}),
                     **{f"time/{k}_s": v for k, v in self.timeline.totals().items()}}
 
     def timeline_dict(self) -> dict[str, Any]:
@@ -291,6 +296,8 @@ class GeneratorActor(LoopPhases):
                     client.release(open_groups)
             client.close()
             with contextlib.suppress(Exception):
+                self.env.close()  # an agent endpoint and its episodes' thread
+            with contextlib.suppress(Exception):
                 rewards.close()  # first: a remote scorer closes its connections on the runner's loop
                 runner.close()
                 source.close()
@@ -366,7 +373,8 @@ class GeneratorActor(LoopPhases):
             self._eval_tasks.add(task)
             task.add_done_callback(self._eval_tasks.discard)
             return
-        correct = sum(self.env.verify(prompts[int(rid[len(EVAL_PREFIX):])], text) for rid, text in outputs.items())
+        correct = sum(self.env.score_heldout(prompts[int(rid[len(EVAL_PREFIX):])], text)
+                      for rid, text in outputs.items())
         with self._lock:
             self.evals.append({"version": version, "accuracy": correct / len(prompts), "time": time.time()})
 

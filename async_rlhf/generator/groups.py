@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from async_rlhf.buffer.client import BufferClient, with_retry
-from async_rlhf.env.base import Environment, Policy, Prompt, Trajectory
+from async_rlhf.env.base import DropGroup, Environment, Policy, Prompt, Trajectory
 from async_rlhf.generator.rollout import to_group
 from async_rlhf.rewards.base import Completion, RewardSource
 from async_rlhf.types import Group
@@ -168,10 +168,18 @@ class GroupRunner:
 
     async def _play(self, gid: str, prompt: Prompt, ids: list[int]) -> None:
         n, start_version, t_start = self.group_size, self.current_version(), time.time()
+        group_rollout = getattr(self.env, "rollout_group", None)  # an environment that plays whole groups (agents)
         try:
-            trajs = list(await asyncio.gather(*(self.env.rollout(prompt, ids, self.policy) for _ in range(n))))
+            if group_rollout is not None:
+                ids, trajs = await group_rollout(gid, prompt, n)  # the group's prompt: what its episodes share
+            else:
+                trajs = list(await asyncio.gather(*(self.env.rollout(prompt, ids, self.policy) for _ in range(n))))
         except asyncio.CancelledError:
             raise
+        except DropGroup as exc:
+            log.warning("generator %d: group %s dropped: %s", self.generator, gid, exc)
+            self._fail(gid, exc.reason, exc.reason)
+            return
         except Exception as exc:  # a user environment must never take the generator down
             log.exception("generator %d: environment %s failed on group %s", self.generator, self.env.name, gid)
             self._fail(gid, f"env_error: {exc!r}", "env_errors")

@@ -70,9 +70,12 @@ class EnginePolicy:
     def decode(self, token_ids: list[int]) -> str:
         return self._decode(token_ids)
 
-    async def generate(self, context_ids: list[int]) -> Turn:
-        """One turn after ``context_ids``; an empty turn (finish "length") when the context window is full."""
+    async def generate(self, context_ids: list[int], max_tokens: int | None = None) -> Turn:
+        """One turn after ``context_ids`` of at most ``max_tokens`` (and ``max_new_tokens``); an empty turn
+        (finish "length") when the context window is full."""
         room = min(self.max_new_tokens, self.max_model_len - len(context_ids))
+        if max_tokens is not None:
+            room = min(room, max_tokens)
         if room <= 0:
             return Turn([], [], [], "length")
         rid = f"{self.prefix}{next(self._ids)}"

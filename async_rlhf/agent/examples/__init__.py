@@ -1,0 +1,1 @@
+"""Agents shipped with async_rlhf (``agent.entry=async_rlhf.agent.examples.<module>:run``)."""
