@@ -11,9 +11,10 @@ def episodes_per_generator(cfg: Any) -> int:
     return int(cfg.agent.episodes_per_generator or cfg.generator.groups_in_flight * cfg.train.group_size)
 
 
-def serve_agents(env: Any, cfg: Any, tokenizer: Any, stop_ids: list[int], policy: Any, model_path: str) -> Any:
-    """Start ``env``'s endpoint and agent thread on this generator (``serving.AgentServer``); returns the server."""
-    from async_rlhf.agent.environment import template_kwargs
+def serve_agents(task_env: Any, cfg: Any, tokenizer: Any, stop_ids: list[int], policy: Any, model_path: str) -> Any:
+    """The generator's environment for task.name=agent: an ``AgentEnv`` over ``task_env`` (the agent's task), its
+    endpoint and agent thread started (``serving.AgentServer``)."""
+    from async_rlhf.agent.environment import AgentEnv, template_kwargs
     from async_rlhf.agent.episodes import EpisodeRegistry
     from async_rlhf.agent.policy_engine import PolicyEngine
     from async_rlhf.agent.serving import AgentServer, load_agent
@@ -26,6 +27,6 @@ def serve_agents(env: Any, cfg: Any, tokenizer: Any, stop_ids: list[int], policy
     engine = PolicyEngine(policy, cfg.generator.temperature)
     server = AgentServer(registry, engine, Path(model_path).name or "policy", load_agent(a.entry), listen_host(),
                          episodes_per_generator(cfg), request_timeout_s=a.timeout_s + 30.0)
-    env.on_timeout, env.timeout_reward = a.on_timeout, a.timeout_reward
+    env = AgentEnv(task_env, a.on_timeout, a.timeout_reward)
     env.serve(server)
-    return server
+    return env

@@ -191,3 +191,10 @@ class AgentEnv(Environment):
             traj.token_rewards[turn.end - 1 - p] += r
         traj.reward_last_turn(reward)
         return traj
+
+
+def agent_summary(generator_stats: list[dict[str, Any]]) -> dict[str, int]:
+    """summary.json's agent figures: each counter summed over the generators (empty without agent episodes)."""
+    if not any("agent_episodes" in s for s in generator_stats):
+        return {}
+    return {name: int(sum(float(s.get(name, 0)) for s in generator_stats)) for name in COUNTERS}

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from async_rlhf.agent.environment import agent_summary
 from async_rlhf.config import Config, parse_report_to
 from async_rlhf.driver.agreement import agreement_summary, mismatch_failure, mismatch_note
 from async_rlhf.driver.beside import Beside, TaskResult, final_figure
@@ -398,6 +399,7 @@ def _run_locked(cfg: Config, address: str | None, cache_root: Path, resume: Path
         "weight_push_s": figures["weight_push_s"],
         **busy,
         # prompts passed over before generation (prompts.skip_uninformative), against groups generated
+        **agent_summary(figures["generator_stats"]),  # task.name=agent: episodes, turns, token_mismatch (0) ...
         "prompts_skipped": figures["prompts_skipped"],
         "groups_generated": figures["groups_generated"],
         "prompts_too_long": figures["prompts_too_long"],  # no room in the context window (prompt_fit.py)

@@ -28,10 +28,8 @@ def make_env(cfg: TaskConfig) -> Environment:
         return LongTailEnv(LongTailTask(heldout_size=cfg.heldout_size))
     if cfg.name == "guess_number":
         return GuessNumberEnv(max_turns=cfg.max_turns)
-    if cfg.name == "agent":  # the agent's task (agent.task: addition); the generator attaches its endpoint
-        from async_rlhf.agent.environment import AgentEnv
-
-        return AgentEnv(AdditionEnv(make_task(cfg)))
+    if cfg.name == "agent":  # the agent's task (agent.task: addition); the generator wraps it in its AgentEnv
+        return AdditionEnv(make_task(cfg))  # (async_rlhf.agent.build.serve_agents): prompts, held-out, its rule
     if cfg.name == "custom":
         env = SingleTurnEnv()
         env.name = "custom"

@@ -107,7 +107,7 @@ class GeneratorActor(LoopPhases):
         if cfg.task.name == "agent":  # the user's agent drives episodes through this generator's endpoint
             from async_rlhf.agent.build import serve_agents
 
-            serve_agents(self.env, cfg, self.tokenizer, self.stop_ids, self.policy, model_path)
+            self.env = serve_agents(self.env, cfg, self.tokenizer, self.stop_ids, self.policy, model_path)
         self._fit = PromptFit(context_len(cfg))
         """Prompts without room in the context window are passed over, or the run stops (prompt_fit.py)."""
         self._groups: dict[str, Any] = {}

@@ -58,9 +58,8 @@ def agent_env(tmp_path: Path, agent_code: str, reply, **agent: object):
     cfg = Config.model_validate({"task": {"name": "agent"}, "train": {"group_size": 4},
                                  "agent": {"entry": f"{path}:run", **agent}})
     tok = build_tokenizer()
-    env = make_env(cfg.task)
     policy = ScriptedPolicy(tok, reply)
-    serve_agents(env, cfg, tok, [tok.convert_tokens_to_ids(EOS)], policy, "tiny")
+    env = serve_agents(make_env(cfg.task), cfg, tok, [tok.convert_tokens_to_ids(EOS)], policy, "tiny")
     return env, tok, policy
 
 
@@ -74,10 +73,9 @@ ADDITION = Prompt("12+34=", {"a": 12, "b": 34, "answer": "046"})
 def test_default_agent_trains_what_was_sampled(generator_loop) -> None:
     cfg = Config.model_validate({"task": {"name": "agent"}, "train": {"group_size": 4}})
     tok = build_tokenizer()
-    env = make_env(cfg.task)
     answers = iter(["046", "045", "046", "146"])
     policy = ScriptedPolicy(tok, lambda ctx: next(answers))
-    serve_agents(env, cfg, tok, [tok.convert_tokens_to_ids(EOS)], policy, "tiny")
+    env = serve_agents(make_env(cfg.task), cfg, tok, [tok.convert_tokens_to_ids(EOS)], policy, "tiny")
     try:
         prompt_ids, trajs = play(env, generator_loop, "g0", ADDITION)
     finally:
