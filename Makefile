@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-fast test-gpu lint clean
+.PHONY: setup demo test test-fast test-gpu lint clean scale
 
 setup: $(STAMP)
 
@@ -36,6 +36,12 @@ test-gpu:
 	[ -f $(GPU_VENV)/.installed ] || ($(GPU_VENV)/bin/python -m pip install --quiet -e ".[gpu,dev]" \
 	  && $(GPU_VENV)/bin/python -m async_rlhf.prebuild && touch $(GPU_VENV)/.installed)
 	$(GPU_VENV)/bin/python -m pytest -q -rs -m gpu tests/gpu
+
+# bench/scale.py in full: N = 1, 2, 4, 8, 16 generators and as many learner ranks over 4 network-namespace nodes
+# (root, iproute2; an hour or more on 2 cores), one Ray/vLLM/DeepSpeed stack at a time. Not part of `make test` (its
+# 8 + 8 row runs there as a cluster-tier scenario). Writes runs/scale/scale.json and docs/scale.png
+scale: $(STAMP)
+	flock /tmp/stack.lock $(VENV)/bin/python bench/scale.py --full --out runs/scale/scale.json --plot docs/scale.png
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

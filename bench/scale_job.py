@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -46,6 +47,63 @@ def step_times(records: list[dict[str, Any]]) -> dict[str, float]:
     return {k[len("time/"):-2]: round(sum(float(r.get(k, 0.0)) for r in steady) / len(steady), 4) for k in keys}
 
 
+def actor_pss_mb(_actor: Any) -> float:
+    """For ``actor.__ray_call__``: the proportional set size of the actor's process and its descendants now, MB
+    (async_rlhf/process_memory.py's ``pss_mb`` where it exists, else /proc/<pid>/smaps_rollup read here)."""
+    import os
+    from pathlib import Path
+
+    from async_rlhf import process_memory as pm
+
+    def own_pss_mb(pid: int) -> float:
+        try:
+            text = Path(f"/proc/{pid}/smaps_rollup").read_text()
+        except OSError:
+            return 0.0
+        return next((int(line.split()[1]) * 1024 / 1e6 for line in text.splitlines() if line.startswith("Pss:")), 0.0)
+
+    pss = getattr(pm, "pss_mb", own_pss_mb)
+    pid = os.getpid()
+    return round(sum(pss(p) for p in [pid, *pm.descendants(pid)]), 1)
+
+
+def fleet_pss(cluster: Any) -> dict[str, Any]:
+    """Per role, each actor's PSS now (after training, every actor still up), the largest of each role and the sum
+    (shared pages counted once over the machine)."""
+    import ray
+
+    roles = {"generators": cluster.generators, "learners": cluster.learners, "buffer": [cluster.buffer]}
+    per_role = {role: ray.get([a.__ray_call__.remote(actor_pss_mb) for a in actors]) for role, actors in roles.items()}
+    return {"pss_mb": per_role, "pss_mb_generator": max(per_role["generators"]),
+            "pss_mb_learner": max(per_role["learners"]),
+            "pss_mb_sum": round(sum(sum(v) for v in per_role.values()), 1)}
+
+
+def push_rows(quiet: list[dict[str, Any]], pushes: list[dict[str, Any]], raw_quiet: dict[str, Any],
+              raw_training: dict[str, Any], records: list[dict[str, Any]], quiet_timeline: dict[str, Any],
+              training_timeline: dict[str, Any]) -> dict[str, Any]:
+    """The push against the raw broadcast, like with like: ``push_quiet_s`` / ``raw_quiet_s`` on the quiet fleet
+    after training, ``push_training_s`` / ``raw_training_s`` while it trains (medians; the raw broadcast during
+    training counts when it ended before the last step did: ``raw_training_during``), and when generators serve."""
+
+    def median_of(rows: list[dict[str, Any]], key: str) -> float:
+        values = sorted(float(r[key]) for r in rows if key in r)
+        return statistics.median(values) if values else 0.0
+
+    end = float(records[-1]["time"]) if records else 0.0
+    return {
+        "push_quiet_s": median_of(quiet, "sync/push_s"), "push_quiet_broadcast_s": median_of(quiet, "sync/broadcast_s"),
+        "push_quiet_ack_wait_s": median_of(quiet, "sync/ack_wait_s"), "raw_quiet_s": raw_quiet.get("raw_s", 0.0),
+        "push_training_s": median_of(pushes, "sync/push_s"),
+        "push_training_broadcast_s": median_of(pushes, "sync/broadcast_s"),
+        "push_training_ack_wait_s": median_of(pushes, "sync/ack_wait_s"),
+        "raw_training_s": raw_training.get("raw_s", 0.0), "raw_training_reps_s": raw_training.get("seconds", []),
+        "raw_training_during": bool(raw_training.get("t_end", float("inf")) <= end),
+        "raw_training_error": raw_training.get("error", ""),
+        "serve_quiet": quiet_timeline, "serve_training": training_timeline,
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--address", required=True)
@@ -59,10 +117,12 @@ def main() -> None:
 
     t0 = time.time()
     from async_rlhf.config import load_config, make_paths_absolute
+    from async_rlhf.driver import push_timing as pt
     from async_rlhf.driver.cluster import Cluster, resolve_model
-    from async_rlhf.driver.fleet_figures import learner_allreduce, peak_rss, push_figures, raw_broadcast, version_gaps
+    from async_rlhf.driver.fleet_figures import learner_allreduce, peak_rss, push_figures, version_gaps
     from async_rlhf.driver.memory_plan import estimate_memory, model_parameters
     from async_rlhf.driver.runner import train
+    from async_rlhf.generator.loop_phases import UPDATE_POLL_S
 
     run_dir = args.run_dir.resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -82,16 +142,31 @@ def main() -> None:
     print(f"scale: started {args.generators} generator(s) and {args.learners} learner rank(s) on {nodes} node(s) "
           f"in {startup_s:.0f} s", flush=True)
     try:
-        figures = train(cfg, cluster, run_dir)
-        print("scale: trained; measuring the raw broadcast, the all-reduce and peak memory", flush=True)
-        raw = raw_broadcast(cluster, args.reps)
+        pt.instrument(cluster)  # engine steps and loads logged: when each generator served each push
+        during = pt.RawDuringTraining(cluster, args.reps)
+        figures = train(cfg, cluster, run_dir, on_fleet=during.start)
+        raw_training = during.result(cfg.sync.timeout_s)
+        print("scale: trained; on the quiet fleet: the raw broadcast, the push, the all-reduce, memory", flush=True)
+        records = figures["records"]
+        raw = pt.raw_broadcast(cluster, args.reps)
+        quiet = pt.quiet_push(cluster, args.reps, cfg.sync.timeout_s)
+        pushes = pt.training_pushes(records)
+        lives = pt.training_live(cluster, pushes)
+        intervals = pt.generator_intervals(cluster)
         allreduce = learner_allreduce(cluster, args.reps)
         rss = peak_rss(cluster)
+        pss = fleet_pss(cluster)
     finally:
         cluster.shutdown()
-    records = figures["records"]
-    versions = [int(s["version"]) for s in figures["generator_stats"]]
     members = args.generators * cfg.resources.tensor_parallel
+    quiet_lives = [q["live"] for q in quiet]
+    timelines = {name: pt.served_timeline(ps, ls, intervals, UPDATE_POLL_S)
+                 for name, ps, ls in (("quiet", quiet, quiet_lives), ("training", pushes, lives))}
+    (run_dir / "push_timeline.json").write_text(json.dumps(timelines))
+    like = push_rows(quiet, pushes, raw, raw_training, records,
+                     pt.timeline_summary(timelines["quiet"], quiet, quiet_lives, members),
+                     pt.timeline_summary(timelines["training"], pushes, lives, members))
+    versions = [int(s["version"]) for s in figures["generator_stats"]]
     gaps = version_gaps(records, versions, members)
     row = {
         "generators": args.generators, "learners": args.learners,
@@ -100,11 +175,13 @@ def main() -> None:
         "steps": len(records), "steps_per_s": steps_per_s(records), "train_s": figures["wall_time_s"],
         "step_time_s": step_times(records),
         **push_figures(records),
-        "raw_broadcast_s": raw["raw_broadcast_s"], "raw_broadcast_reps_s": raw["seconds"], "raw_bytes": raw["bytes"],
+        **like,
+        "raw_broadcast_s": raw["raw_s"], "raw_broadcast_reps_s": raw["seconds"], "raw_bytes": raw["bytes"],
         "allreduce_s": allreduce["allreduce_s"], "allreduce_reps_s": allreduce["seconds"],
         "allreduce_bytes": allreduce["bytes"],
         "rss_mb_generator": rss["rss_mb_generator"], "rss_mb_learner": rss["rss_mb_learner"],
-        "rss_mb": rss["rss_mb"], "rss_mb_sum": rss["rss_mb_sum"], "memory_estimate": memory.to_dict(),
+        "rss_mb": rss["rss_mb"], "rss_mb_sum": rss["rss_mb_sum"], **pss, "memory_estimate": memory.to_dict(),
+        "plan_mb": round(memory.to_dict()["total_gb"] * 1e3),
         "versions_complete": not gaps, "version_gaps": gaps, "generator_versions": versions,
         "final_version": int(records[-1]["version"]) if records else 0,
         "role_nodes": where, "learner_ranks": int(records[-1].get("learner_ranks", 1)) if records else 0,

@@ -24,7 +24,14 @@ def row(n: int, complete: bool = True, rss_sum: float = 9000.0) -> dict[str, Any
             "steps_per_s": 1.5 / n, "push_s": 0.02 * n, "push_broadcast_s": 0.004 * n, "raw_broadcast_s": 0.003 * n,
             "raw_bytes": 1.2e6, "allreduce_s": 0.0005 * n, "rss_mb_generator": 950.0, "rss_mb_learner": 610.0,
             "rss_mb_sum": rss_sum, "memory_estimate": {"total_gb": 1.0 + 1.6 * n}, "versions_complete": complete,
-            "version_gaps": [] if complete else ["generator(s) {1: 3} end on another version than the final 4"]}
+            "version_gaps": [] if complete else ["generator(s) {1: 3} end on another version than the final 4"],
+            "push_quiet_s": 0.004 * n, "raw_quiet_s": 0.003 * n, "push_training_s": 0.02 * n,
+            "raw_training_s": 0.01 * n, "raw_training_during": n < 4, "pss_mb_generator": 400.0,
+            "pss_mb_learner": 300.0, "pss_mb_sum": 900.0 * n, "machine_used_mb": 2000.0 * n, "plan_mb": 1800.0 * n,
+            "step_time_s": {"step": 0.5, "wait_data": 0.3, "forward_backward": 0.15},
+            "serve_quiet": {"pairs": 5 * n, "bound_held": 5 * n, "served_s": 0.02},
+            "serve_training": {"pairs": 7 * n, "bound_held": 7 * n, "served_s": 0.05, "ack_to_live_s": 0.03,
+                               "ack_to_live_s_max": 0.06, "step_s": 0.04, "apply_s": 0.01}}
 
 
 def test_the_target_needs_every_version_everywhere_and_the_memory_to_fit(scale: Any) -> None:
@@ -63,3 +70,24 @@ def test_where_a_step_goes(scale: Any, load_bench: Any) -> None:
     assert times == {"optimizer": 0.0005, "push_wait": 0.25, "step": 1.5, "wait_data": 0.5}
     line = scale.step_line({**row(2), "step_time_s": times})
     assert line == "  2+2 step 1.50 s: wait_data 0.50, push_wait 0.25"
+
+
+def test_the_push_target_reads_the_quiet_ratio_and_the_serving_bound(scale: Any) -> None:
+    assert scale.push_holds([row(1), row(2), row(4)])  # 0.004 n <= 1.5 x 0.003 n, every pair within its bound
+    slow = {**row(2), "push_quiet_s": 0.0091, "raw_quiet_s": 0.006}
+    assert not scale.push_holds([row(1), slow])
+    late = {**row(2), "serve_training": {**row(2)["serve_training"], "bound_held": 13}}
+    assert not scale.push_holds([late])
+    assert not scale.push_holds([{**row(1), "raw_quiet_s": 0.0}]) and not scale.push_holds([])
+
+
+def test_push_table_marks_a_raw_broadcast_that_outlasted_training(scale: Any) -> None:
+    lines = scale.push_table([row(1), row(4)]).splitlines()
+    assert len(lines) == 3 and lines[1].split()[:4] == ["1+1", "4.0", "3.0", "1.33"]
+    assert "40.0*" in lines[2] and "*" not in lines[1] and lines[1].endswith("7/7")
+
+
+def test_full_adds_sixteen(scale: Any) -> None:
+    assert scale.ns_for(quick=True, full=False) == [1, 2, 4]
+    assert scale.ns_for(quick=False, full=False) == [1, 2, 4, 8]
+    assert scale.ns_for(quick=False, full=True) == [1, 2, 4, 8, 16]

@@ -1,0 +1,317 @@
+"""The weight push like with like (bench/scale.py, issue 46): the push and a raw broadcast of the same bytes to the
+same receivers, both on the quiet fleet and both during training, and when each generator serves a pushed version.
+
+    instrument(cluster)          before training: each generator's engine.step and _load_version log their wall
+                                 times (instance attributes wrapped in place: the loop calls them through self)
+    RawDuringTraining(cluster)   a thread: once learner rank 0 recorded ``after_steps`` steps, ``reps`` raw broadcasts
+                                 (async_rlhf/sync/raw.py) while the run trains, on store connections of their own
+                                 (the push thread's and the fetch threads' connections are never shared)
+    raw_broadcast(cluster)       the same, called on the quiet fleet after training
+    quiet_push(cluster)          after training: pushes of learner rank 0's weights as versions final + 1, ...; each
+                                 generator serves each one as its loop would (polls its workers every UPDATE_POLL_S,
+                                 loads at once; nothing else runs); per push its metrics and every member's live time
+    training_live(cluster, ...)  after training: each member's live time of every push of the run (the store's)
+    served_timeline(...)         per push and member: acknowledged -> the engine step in progress ends -> the load
+                                 starts -> live (time.time() on one machine: the namespaces share its clock)
+
+The push's ``sync/push_s`` and the raw broadcast both run from learner rank 0 until every receiver holds the bytes
+(the push's acknowledgement, the raw's one-element allreduce): they compare like with like. Serving the version is
+the generator's loop's business afterwards, bounded by the engine step in progress plus the load (the apply).
+"""
+
+from __future__ import annotations
+
+import bisect
+import statistics
+import threading
+import time
+import uuid
+from typing import Any
+
+LOG_MAX = 200_000
+"""Step and load intervals kept per generator (a few MB at most)."""
+
+
+def _median(values: list[float]) -> float:
+    return float(statistics.median(values)) if values else 0.0
+
+
+def _members(cluster: Any) -> list[str]:
+    from async_rlhf.sync.protocol import tp_member_ids
+
+    tp = cluster.cfg.resources.tensor_parallel
+    return [m for i in range(len(cluster.generators)) for m in tp_member_ids(f"gen{i}", tp)]
+
+
+# -- run inside the actors (through __ray_call__: the first argument is the actor instance) -----------------------
+def _instrument(gen: Any) -> None:
+    if getattr(gen, "_push_timing_steps", None) is not None:
+        return
+    from collections import deque
+
+    steps: deque = deque(maxlen=LOG_MAX)
+    loads: deque = deque(maxlen=LOG_MAX)
+    step, load = gen.engine.step, gen._load_version
+
+    def timed_step(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.time()
+        try:
+            return step(*args, **kwargs)
+        finally:
+            steps.append((t0, time.time()))
+
+    def timed_load() -> None:
+        t0 = time.time()
+        try:
+            load()
+        finally:
+            loads.append((t0, time.time()))
+
+    gen.engine.step, gen._load_version = timed_step, timed_load
+    gen._push_timing_steps, gen._push_timing_loads = steps, loads
+
+
+def _intervals(gen: Any) -> dict[str, list[tuple[float, float]]]:
+    return {"steps": list(getattr(gen, "_push_timing_steps", ()) or ()),
+            "loads": list(getattr(gen, "_push_timing_loads", ()) or ())}
+
+
+def _steps_done(learner: Any) -> int:
+    return len(learner.metrics)
+
+
+def _raw_send(learner: Any, world: int, tag: str, reps: int) -> dict[str, Any]:
+    from async_rlhf.sync.group import connect_store
+    from async_rlhf.sync.raw import raw_send
+
+    sender, timeout_s = learner._pusher.sender, learner.cfg.sync.timeout_s
+    store = connect_store(sender.host, sender.port, timeout_s)
+    nbytes = sum(b.nbytes for b in learner._buckets)
+    t0 = time.time()
+    seconds = raw_send(store, sender.transport, nbytes, world, tag, reps, timeout_s)
+    return {"bytes": nbytes, "seconds": seconds, "t_start": t0, "t_end": time.time()}
+
+
+def _worker_raw_receive(worker: Any, tag: str, members: list[str], nbytes: int, reps: int) -> None:
+    from async_rlhf.sync.group import connect_store
+    from async_rlhf.sync.raw import raw_receive
+
+    rx = worker._receiver  # vLLM's worker wrapper hands unknown attributes to the worker (worker_ext.py's)
+    store = connect_store(rx.store.host, rx.store.port, rx.timeout_s)
+    raw_receive(store, rx.transport, members.index(rx.member_id) + 1, len(members) + 1, nbytes, tag, reps,
+                rx.timeout_s)
+
+
+def _raw_receive(gen: Any, tag: str, members: list[str], nbytes: int, reps: int) -> None:
+    gen.llm.collective_rpc(_worker_raw_receive, args=(tag, list(members), int(nbytes), int(reps)))
+
+
+def _push_versions(learner: Any, count: int, timeout_s: float) -> list[dict[str, Any]]:
+    """Learner rank 0: ``count`` pushes of its current weights as the next versions, each awaited until every
+    member serves it (or ``timeout_s``); the parameters are read as the run's pushes read them."""
+    if learner.merged is None and learner.cfg.learner.zero_stage == 3:
+        raise RuntimeError("a quiet push under ZeRO-3 needs every rank's gather: not measured")
+    sender = learner._pusher.sender
+    params = learner.merged.tensors if learner.merged is not None else dict(learner.engine.module.named_parameters())
+    out = []
+    for _ in range(count):
+        version = (sender.version or 0) + 1
+        metrics = sender.push(params, version)
+        epoch, k, _ids = sender._last
+        out.append({**metrics, "epoch": epoch, "k": k, "live": sender.wait_live(timeout_s)})
+    return out
+
+
+def _serve_versions(gen: Any, last: int, timeout_s: float) -> int:
+    """A generator on the quiet fleet (its loop ended): what the loop's swap phase does, alone: ask the workers
+    for a staged version every UPDATE_POLL_S and load it at once, until it serves ``last``."""
+    from async_rlhf.generator.loop_phases import UPDATE_POLL_S
+
+    deadline = time.monotonic() + timeout_s
+    while gen.version < last and time.monotonic() < deadline:
+        staged = gen._staged()
+        if staged is not None and (staged < 0 or staged > gen.version):
+            gen._load_version()
+        else:
+            time.sleep(UPDATE_POLL_S)
+    return int(gen.version)
+
+
+def _live_times(learner: Any, pushes: list[tuple[int, int]], members: list[str]) -> list[dict[str, float]]:
+    """Per (epoch, k): member -> the wall time it started serving that push (absent: it never did, e.g. a
+    version skipped because a newer one arrived first)."""
+    from async_rlhf.sync import protocol as P
+    from async_rlhf.sync.group import connect_store
+
+    sender = learner._pusher.sender
+    store = connect_store(sender.host, sender.port, learner.cfg.sync.timeout_s)
+    out = []
+    for e, k in pushes:
+        got: dict[str, float] = {}
+        for m in members:
+            key = P.live_key(e, k, m)
+            if store.check([key]):
+                text = store.get(key).decode()
+                if not text.startswith("error"):
+                    got[m] = float(text)
+        out.append(got)
+    return out
+
+
+# -- called by the driver --------------------------------------------------------------------------------------
+def instrument(cluster: Any) -> None:
+    import ray
+
+    ray.get([g.__ray_call__.remote(_instrument) for g in cluster.generators])
+
+
+def generator_intervals(cluster: Any) -> list[dict[str, list[tuple[float, float]]]]:
+    import ray
+
+    return ray.get([g.__ray_call__.remote(_intervals) for g in cluster.generators])
+
+
+def raw_broadcast(cluster: Any, reps: int) -> dict[str, Any]:
+    """``reps`` raw broadcasts (after a warm-up) of the push's bytes from learner rank 0 to every generator worker:
+    the median seconds, each repetition's, the bytes and when they ran (wall times)."""
+    import ray
+
+    from async_rlhf.sync.layout import layout_from_wire
+
+    members = _members(cluster)
+    tag = uuid.uuid4().hex[:12]
+    nbytes = sum(b.nbytes for b in layout_from_wire(cluster.layout))
+    receives = [g.__ray_call__.remote(_raw_receive, tag, members, nbytes, reps) for g in cluster.generators]
+    sent = ray.get(cluster.learners[0].__ray_call__.remote(_raw_send, len(members) + 1, tag, reps))
+    ray.get(receives)
+    if sent["bytes"] != nbytes:
+        raise RuntimeError(f"the learner pushes {sent['bytes']} bytes, the layout handed out says {nbytes}")
+    return {"raw_s": _median(sent["seconds"]), "seconds": sent["seconds"], "bytes": sent["bytes"],
+            "receivers": len(members), "t_start": sent["t_start"], "t_end": sent["t_end"]}
+
+
+class RawDuringTraining:
+    """:func:`raw_broadcast` on a thread of the driver, started once learner rank 0 has recorded ``after_steps``
+    steps (the first step's warm-up left out); :meth:`result` joins it (an error is returned, not raised: the run's
+    figures stand without it)."""
+
+    def __init__(self, cluster: Any, reps: int, after_steps: int = 1, poll_s: float = 0.2) -> None:
+        self.cluster, self.reps, self.after_steps, self.poll_s = cluster, reps, after_steps, poll_s
+        self._stop = threading.Event()
+        self._out: dict[str, Any] = {}
+        self._thread = threading.Thread(target=self._run, name="raw-during-training", daemon=True)
+
+    def start(self, *_: Any) -> None:
+        """Start the thread (takes and ignores runner.train's ``on_fleet`` argument)."""
+        self._thread.start()
+
+    def _run(self) -> None:
+        import ray
+
+        try:
+            learner = self.cluster.learners[0]
+            while not self._stop.is_set():
+                if ray.get(learner.__ray_call__.remote(_steps_done)) >= self.after_steps:
+                    self._out = raw_broadcast(self.cluster, self.reps)
+                    return
+                time.sleep(self.poll_s)
+            self._out = {"error": "training ended before the raw broadcast started"}
+        except Exception as exc:  # reported in the row
+            self._out = {"error": f"{type(exc).__name__}: {exc}"}
+
+    def result(self, timeout_s: float = 300.0) -> dict[str, Any]:
+        self._stop.set()
+        self._thread.join(timeout_s)
+        return dict(self._out) if not self._thread.is_alive() else {"error": f"still running after {timeout_s} s"}
+
+
+def quiet_push(cluster: Any, reps: int, timeout_s: float = 120.0) -> list[dict[str, Any]]:
+    """On the quiet fleet after training: a warm-up and ``reps`` pushes (see :func:`_push_versions`), every
+    generator serving each version as it arrives; per push (warm-up left out) its metrics and ``live``."""
+    import ray
+
+    start = ray.get(cluster.generators[0].__ray_call__.remote(lambda g: int(g.version)))
+    serving = [g.__ray_call__.remote(_serve_versions, start + reps + 1, timeout_s) for g in cluster.generators]
+    pushes = ray.get(cluster.learners[0].__ray_call__.remote(_push_versions, reps + 1, timeout_s))
+    ray.get(serving)
+    return pushes[1:]
+
+
+def training_pushes(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The run's pushes (their metrics ride on a later step's record), each with its epoch and k, the push's index
+    in its epoch: one push per version, so k is the version less the epoch's first version."""
+    pushes = sorted((r for r in records if "sync/version" in r), key=lambda r: r["sync/version"])
+    first: dict[int, int] = {}
+    for r in pushes:
+        first.setdefault(int(r["sync/epoch"]), int(r["sync/version"]))
+    return [{**r, "epoch": int(r["sync/epoch"]), "k": int(r["sync/version"]) - first[int(r["sync/epoch"])]}
+            for r in pushes]
+
+
+def training_live(cluster: Any, pushes: list[dict[str, Any]]) -> list[dict[str, float]]:
+    import ray
+
+    keys = [(p["epoch"], p["k"]) for p in pushes]
+    return ray.get(cluster.learners[0].__ray_call__.remote(_live_times, keys, _members(cluster)))
+
+
+def _containing(intervals: list[tuple[float, float]], t: float) -> tuple[float, float] | None:
+    """The interval of ``intervals`` (sorted, disjoint) that holds ``t``, if any."""
+    i = bisect.bisect_right([a for a, _ in intervals], t) - 1
+    return intervals[i] if i >= 0 and intervals[i][0] <= t <= intervals[i][1] else None
+
+
+def _generator_of(member: str) -> int:
+    """gen3 or gen3.tp1 -> 3."""
+    return int(member.split(".")[0][len("gen"):])
+
+
+def served_timeline(pushes: list[dict[str, Any]], lives: list[dict[str, float]],
+                    intervals: list[dict[str, list[tuple[float, float]]]], poll_s: float) -> list[dict[str, Any]]:
+    """Per push and member that served it: from the push's acknowledgement (``sync/acked_time``: every member holds
+    the bytes) to the member's live time, cut where the engine step in progress at the acknowledgement ended
+    (``step_left_s`` of a step of ``step_s``) and where the load began (``apply_s`` long); ``between_s``: the
+    loop's other work, its poll (every ``poll_s``) and waiting for a core or the GIL. ``bound_s``: one engine step
+    (the one in progress) plus the apply plus one poll interval; ``held``: the wait stayed within it."""
+    rows = []
+    for p, live in zip(pushes, lives):
+        t_ack = float(p["sync/acked_time"])
+        t_start = t_ack - float(p["sync/push_s"])
+        for member, t_live in sorted(live.items()):
+            logs = intervals[_generator_of(member)]
+            step = _containing([tuple(s) for s in logs["steps"]], t_ack)
+            load = _containing([tuple(x) for x in logs["loads"]], t_live)
+            step_s = step[1] - step[0] if step else 0.0
+            step_end = step[1] if step else t_ack
+            apply_s = load[1] - load[0] if load else 0.0
+            wait_s = t_live - t_ack
+            bound_s = step_s + apply_s + poll_s
+            rows.append({"version": int(p["sync/version"]), "member": member, "start": t_start, "ack": t_ack,
+                         "live": t_live, "push_s": float(p["sync/push_s"]), "wait_s": wait_s, "step_s": step_s,
+                         "step_left_s": step_end - t_ack if step else 0.0,
+                         "between_s": (load[0] if load else t_live) - step_end, "apply_s": apply_s,
+                         "bound_s": bound_s, "held": wait_s <= bound_s})
+    return rows
+
+
+def timeline_summary(rows: list[dict[str, Any]], pushes: list[dict[str, Any]], lives: list[dict[str, float]],
+                     members: int) -> dict[str, Any]:
+    """Medians and maxima of :func:`served_timeline`'s rows; ``served_s``: per push from its start until the last
+    member serves it (pushes every member served), the median; ``skipped``: (push, member) pairs never served (a
+    newer version came first)."""
+
+    def col(key: str) -> list[float]:
+        return [float(r[key]) for r in rows]
+
+    served = [max(live.values()) - (float(p["sync/acked_time"]) - float(p["sync/push_s"]))
+              for p, live in zip(pushes, lives) if len(live) == members]
+    worst = max(rows, key=lambda r: r["wait_s"] - r["bound_s"], default=None)
+    return {"pairs": len(rows), "skipped": len(pushes) * members - len(rows), "served_s": _median(served),
+            "served_s_max": max(served, default=0.0),
+            "ack_to_live_s": _median(col("wait_s")), "ack_to_live_s_max": max(col("wait_s"), default=0.0),
+            "step_s": _median(col("step_s")), "step_left_s": _median(col("step_left_s")),
+            "between_s": _median(col("between_s")), "between_s_max": max(col("between_s"), default=0.0),
+            "apply_s": _median(col("apply_s")), "apply_s_max": max(col("apply_s"), default=0.0),
+            "in_step_at_ack": sum(r["step_s"] > 0 for r in rows), "bound_held": sum(r["held"] for r in rows),
+            "worst": {k: (round(v, 4) if isinstance(v, float) and k not in ("start", "ack", "live") else v)
+                      for k, v in worst.items()} if worst else {}}

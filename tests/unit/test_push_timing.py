@@ -1,0 +1,46 @@
+"""async_rlhf/driver/push_timing.py's pure parts: which push a record is (epoch, k), and the timeline from a push's
+acknowledgement to each generator serving it, cut at the engine step in progress and the load."""
+
+from __future__ import annotations
+
+import pytest
+
+from async_rlhf.driver.push_timing import served_timeline, timeline_summary, training_pushes
+
+pytestmark = pytest.mark.unit
+
+
+def push(version: int, epoch: int, acked: float, push_s: float = 0.01) -> dict[str, float]:
+    return {"sync/version": float(version), "sync/epoch": float(epoch), "sync/acked_time": acked, "sync/push_s": push_s}
+
+
+def test_k_is_the_push_index_in_its_epoch() -> None:
+    records = [{"step": 1}, push(2, 0, 10.0), push(1, 0, 9.0), {"step": 3}, push(4, 1, 12.0), push(5, 1, 13.0)]
+    got = [(p["sync/version"], p["epoch"], p["k"]) for p in training_pushes(records)]
+    assert got == [(1.0, 0, 0), (2.0, 0, 1), (4.0, 1, 0), (5.0, 1, 1)]  # version 3's record was lost: epoch 1 from 4
+
+
+def test_the_wait_is_cut_at_the_step_in_progress_and_the_load() -> None:
+    # gen0: acknowledged at 10.000 inside a step 9.98-10.03, then 4 ms of loop, then a load 10.034-10.044 (live at
+    # 10.043); gen1: idle at the acknowledgement, served 60 ms later with a 10 ms load: beyond step + apply + poll
+    intervals = [{"steps": [(9.9, 9.95), (9.98, 10.03)], "loads": [(10.034, 10.044)]},
+                 {"steps": [(9.0, 9.1)], "loads": [(10.05, 10.06)]}]
+    rows = served_timeline([push(3, 0, 10.0)], [{"gen0": 10.043, "gen1": 10.059}], intervals, poll_s=0.005)
+    g0, g1 = rows
+    assert g0["member"] == "gen0" and g0["step_s"] == pytest.approx(0.05) and g0["step_left_s"] == pytest.approx(0.03)
+    assert g0["between_s"] == pytest.approx(0.004) and g0["apply_s"] == pytest.approx(0.01)
+    assert g0["wait_s"] == pytest.approx(0.043) and g0["held"]  # 43 ms <= 50 + 10 + 5
+    assert g1["step_s"] == 0.0 and g1["between_s"] == pytest.approx(0.05) and not g1["held"]  # 59 ms > 0 + 10 + 5
+    summary = timeline_summary(rows, [push(3, 0, 10.0)], [{"gen0": 10.043, "gen1": 10.059}], members=2)
+    assert summary["pairs"] == 2 and summary["bound_held"] == 1 and summary["in_step_at_ack"] == 1
+    assert summary["served_s"] == pytest.approx(0.069)  # from the push's start (acked - push_s) to the last live
+    assert summary["worst"]["member"] == "gen1" and summary["skipped"] == 0
+
+
+def test_a_version_a_generator_never_served_is_counted_as_skipped() -> None:
+    intervals = [{"steps": [], "loads": [(10.01, 10.02)]}, {"steps": [], "loads": []}]
+    pushes, lives = [push(1, 0, 10.0), push(2, 0, 10.1)], [{"gen0": 10.02}, {"gen0": 10.12, "gen1": 10.2}]
+    rows = served_timeline(pushes, lives, intervals, poll_s=0.005)
+    summary = timeline_summary(rows, pushes, lives, members=2)
+    assert summary["pairs"] == 3 and summary["skipped"] == 1
+    assert summary["served_s"] == pytest.approx(0.11)  # only the push both served: 10.2 - (10.1 - 0.01)
