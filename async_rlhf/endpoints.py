@@ -120,16 +120,6 @@ def bind_gloo_to_node() -> str | None:
 
 
 # -- per-run CURVE keys for the buffer -------------------------------------------------------------------
-def make_run_keys() -> dict[str, str]:
-    """Fresh server and client key pairs for one run (z85); handed to the actors through Ray only."""
-    from async_rlhf.buffer.curve import keypair
-
-    server_public, server_secret = keypair()
-    client_public, client_secret = keypair()
-    return {"server_public": server_public, "server_secret": server_secret,
-            "client_public": client_public, "client_secret": client_secret}
-
-
 def run_keys_env(keys: dict[str, str]) -> dict[str, str]:
     return {CURVE_ENV: json.dumps(keys)}
 

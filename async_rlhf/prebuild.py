@@ -171,7 +171,7 @@ def build_tiny_policy(cache_root: Path) -> str:
     """The policy a run given no model starts from, built into ``cache_root`` as the launcher would (nothing
     when it is there already); the line prebuild prints of it."""
     from async_rlhf.config import Config
-    from async_rlhf.driver.cluster import resolve_model
+    from async_rlhf.policy_source import resolve_model
 
     t0 = time.perf_counter()
     path = resolve_model(Config(), cache_root)

@@ -100,8 +100,9 @@ def one_run(algorithm: str, steps: int, model_path: str, rm_dir: str, out_dir: P
             extra: list[str], task_weight: float = 0.0, rm_start: float | None = None) -> dict[str, Any]:
 
     from async_rlhf.config import load_config
-    from async_rlhf.driver.cluster import Cluster, heldout_accuracy
+    from async_rlhf.driver.cluster import Cluster
     from async_rlhf.driver.runner import train
+    from async_rlhf.policy_source import heldout_accuracy
 
     run_dir = out_dir / algorithm
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -206,7 +207,7 @@ def main() -> None:
     args = p.parse_args()
 
     from async_rlhf.config import load_config
-    from async_rlhf.driver.cluster import heldout_accuracy, resolve_model
+    from async_rlhf.policy_source import heldout_accuracy, resolve_model
 
     algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()]
     unknown = sorted(set(algorithms) - set(ALGORITHMS))

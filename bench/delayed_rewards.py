@@ -106,7 +106,7 @@ def main() -> None:
     import ray
 
     from async_rlhf.config import load_config
-    from async_rlhf.driver.cluster import resolve_model
+    from async_rlhf.policy_source import resolve_model
 
     steps = args.steps or (40 if args.quick else 150)
     base = load_config(None, args.overrides)

@@ -239,10 +239,11 @@ def standalone(overrides: list[str], model_path: str, run_dir: Path, window_s: f
 def pipeline(overrides: list[str], model_path: str, run_dir: Path, steps: int, staleness: int) -> dict[str, Any]:
 
     from async_rlhf.config import load_config
-    from async_rlhf.driver.cluster import Cluster, heldout_accuracy
+    from async_rlhf.driver.cluster import Cluster
     from async_rlhf.driver.runner import train
     from async_rlhf.driver.timeline_figures import write_timeline
     from async_rlhf.plots import BUSY
+    from async_rlhf.policy_source import heldout_accuracy
     from async_rlhf.timeline import busy_fraction_between
 
     cfg = load_config(None, [*overrides, f"train.max_staleness={staleness}", f"train.steps={steps}",
@@ -278,7 +279,7 @@ def pipeline(overrides: list[str], model_path: str, run_dir: Path, steps: int, s
 
 def run_variant(name: str, args: argparse.Namespace, out_dir: Path, common: list[str]) -> dict[str, Any]:
     from async_rlhf.config import load_config
-    from async_rlhf.driver.cluster import heldout_accuracy, resolve_model
+    from async_rlhf.policy_source import heldout_accuracy, resolve_model
 
     base = [*PIPELINE, *VARIANTS[name], *common]
     cfg = load_config(None, base)

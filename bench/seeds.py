@@ -53,7 +53,7 @@ def build_warm_start(seed: int, overrides: list[str]) -> tuple[float, dict[str, 
     measured (``tiny_info.json``: held-out greedy and sampled accuracy; empty for a ``model.path``)."""
     t0 = time.perf_counter()
     code = ("import sys\nfrom pathlib import Path\nfrom async_rlhf.config import load_config\n"
-            "from async_rlhf.driver.cluster import resolve_model\n"
+            "from async_rlhf.policy_source import resolve_model\n"
             "print(resolve_model(load_config(None, sys.argv[2:]), Path(sys.argv[1])))")
     path = subprocess.run([sys.executable, "-c", code, str(ROOT / "runs" / "cache"), f"train.seed={seed}",
                            *overrides], cwd=ROOT, check=True, capture_output=True, text=True).stdout.strip()

@@ -30,8 +30,9 @@ def one_run(staleness: int, correction: str, steps: int, model_path: str, out_di
             extra: list[str]) -> dict[str, Any]:
 
     from async_rlhf.config import load_config
-    from async_rlhf.driver.cluster import Cluster, heldout_accuracy
+    from async_rlhf.driver.cluster import Cluster
     from async_rlhf.driver.runner import train
+    from async_rlhf.policy_source import heldout_accuracy
 
     run_dir = out_dir / f"s{staleness}_{correction}"
     cfg = load_config(None, [f"train.max_staleness={staleness}", f"train.objective.kind={CORRECTIONS[correction]}",
@@ -107,7 +108,7 @@ def main() -> None:
     args = p.parse_args()
 
     from async_rlhf.config import load_config
-    from async_rlhf.driver.cluster import heldout_accuracy, resolve_model
+    from async_rlhf.policy_source import heldout_accuracy, resolve_model
 
     out = Path(args.out)
     out_dir = out.parent

@@ -114,7 +114,7 @@ def seeded(task: str, seed: int) -> list[str]:
 
 
 def start_policy(cfg: Any) -> str:
-    from async_rlhf.driver.cluster import resolve_model
+    from async_rlhf.policy_source import resolve_model
 
     return resolve_model(cfg, ROOT / "runs" / "cache")
 

@@ -15,6 +15,9 @@ unreachable --address or a plan larger than the cluster is refused with one line
 the fix. ``--dry-run`` validates and prints the placement plan (resources per role, totals) without Ray.
 Under ``ray job submit``, leave out --address: the job joins its cluster (RAY_ADDRESS) itself.
 ``--dry-run --address A`` also prints where each role's bundles would go, node by node.
+
+This file is the plan stage of a start-up (config, placement, memory, address, fits: nothing started);
+``async_rlhf/driver/cluster.py`` draws the stages that follow (provision, start, watch).
 """
 
 from __future__ import annotations
@@ -166,7 +169,9 @@ def main(argv: list[str] | None = None) -> int:
         from async_rlhf.driver.placement import check_fits, format_plan, plan_placement
 
         plan = plan_placement(cfg)
-        args.address = args.address or os.environ.get("RAY_ADDRESS") or None  # `ray job submit` sets it
+        from async_rlhf.driver.role_env import joined_address
+
+        args.address = joined_address(args.address)  # `ray job submit` sets RAY_ADDRESS
         if args.address:
             check_address(args.address)
         from async_rlhf.driver.memory_plan import check_memory, plan_for
@@ -222,8 +227,8 @@ def main(argv: list[str] | None = None) -> int:
         run(cfg, address=args.address, resume=args.checkpoint, stop=stop_on_signals(), lock=lock, console=True)
     except Exception as exc:  # a role failed mid-run: the job has stopped its actors; say how to go on
         from async_rlhf.driver.checkpoints import list_checkpoints
-        from async_rlhf.driver.cluster import NodeSetupError
         from async_rlhf.driver.fleet import RunFailure
+        from async_rlhf.driver.provision import NodeSetupError
         from async_rlhf.driver.runner import LearnerFailure
         from async_rlhf.run_logs import console_stderr
 

@@ -13,14 +13,11 @@ from async_rlhf.agent.environment import agent_summary
 from async_rlhf.config import Config, parse_report_to
 from async_rlhf.driver.agreement import agreement_summary, mismatch_failure, mismatch_note
 from async_rlhf.driver.beside import Beside, TaskResult, final_figure
-from async_rlhf.driver.cluster import (
-    Cluster,
-    forks_roles,
-    heldout_accuracy,
-    resolve_model,
-    start_early_fork_servers,
-)
+from async_rlhf.driver.cluster import Cluster
+from async_rlhf.driver.provision import start_early_fork_servers
+from async_rlhf.driver.role_env import forks_roles
 from async_rlhf.driver.timeline_figures import write_timeline
+from async_rlhf.policy_source import heldout_accuracy, resolve_model
 
 
 class LearnerFailure(RuntimeError):

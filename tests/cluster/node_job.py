@@ -42,8 +42,9 @@ def main() -> None:
     import ray
 
     from async_rlhf.config import load_config
-    from async_rlhf.driver.cluster import Cluster, resolve_model
+    from async_rlhf.driver.cluster import Cluster
     from async_rlhf.driver.runner import train
+    from async_rlhf.policy_source import resolve_model
 
     run_dir = Path(args.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -6,7 +6,7 @@ import socket
 import pytest
 import torch.distributed as dist
 
-from async_rlhf.driver.cluster import port_taken
+from async_rlhf.driver.start_roles import port_taken
 
 
 def test_a_store_bound_to_a_taken_port_is_recognised():

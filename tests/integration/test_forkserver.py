@@ -230,8 +230,8 @@ def test_a_worker_gets_its_own_pythonpath_not_the_one_the_server_started_with(tm
 
 @pytest.mark.isolated
 def test_a_prestarted_server_serves_the_first_worker(tmp_path, node, raylets):
-    """What the driver of a Ray of its own does as it starts Ray (Cluster._prestart_fork_servers): the server
-    is up before any worker asks, and a worker with the same thread settings is forked from it."""
+    """What the driver of a Ray of its own does as it starts Ray (provision.prestart_fork_servers): the server is
+    up before any worker asks, and a worker with the same thread settings is forked from it."""
     env = {"ASYNC_RLHF_FORKSERVER_PRELOAD": "colorsys", "OMP_NUM_THREADS": "2"}
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])  # the raylet it watches
     try:

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from async_rlhf.config import Config
-from async_rlhf.driver.cluster import role_runtime_env, start_early_fork_servers
+from async_rlhf.driver.provision import start_early_fork_servers
+from async_rlhf.driver.role_env import role_runtime_env
 from async_rlhf.startup import forkserver
 
 

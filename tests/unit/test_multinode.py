@@ -11,7 +11,8 @@ from async_rlhf.buffer.build import client_keys, server_keys
 from async_rlhf.config import Config, ConfigError, load_config, make_paths_absolute, parse_custom_resources
 from async_rlhf.driver.cpu_plan import plan_nodes
 from async_rlhf.driver.placement import assign_to_nodes, format_nodes, plan_placement
-from async_rlhf.endpoints import CURVE_ENV, NETWORK_ENV, make_run_keys, run_keys_env, use_node_addresses
+from async_rlhf.driver.provision import make_run_keys
+from async_rlhf.endpoints import CURVE_ENV, NETWORK_ENV, run_keys_env, use_node_addresses
 
 
 def test_node_addresses_only_when_the_cluster_has_several_nodes_or_asked() -> None:
@@ -121,7 +122,7 @@ def test_a_node_is_probed_once_for_all_its_bundles() -> None:
     """On a Ray the driver joined, one probe task per node answers for every bundle there (a task per bundle
     started a worker process per bundle); each bundle still gets a port of its own, and the roles' lists keep
     their bundle order."""
-    from async_rlhf.driver.cluster import answers_per_bundle, bundles_by_node
+    from async_rlhf.driver.provision import answers_per_bundle, bundles_by_node
 
     where = {("buffer", 0): "n0", ("generators", 0): "n1", ("generators", 1): "n0", ("learners", 0): "n0",
              ("learners", 1): "n1"}

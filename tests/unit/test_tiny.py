@@ -270,7 +270,7 @@ def test_a_cached_policy_is_found_without_importing_torch_or_transformers(tmp_pa
     built.mkdir()
     (built / "tiny_info.json").write_text("{}")
     code = ("import sys; from pathlib import Path; from async_rlhf.config import load_config; "
-            "from async_rlhf.driver.cluster import resolve_model; "
+            "from async_rlhf.policy_source import resolve_model; "
             "cfg = load_config(None, ['task.digits=2', 'task.heldout_size=50', 'task.sft_steps=3']); "
             f"print(resolve_model(cfg, Path({str(tmp_path)!r}))); "
             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
