@@ -46,6 +46,8 @@ class Provisioned:
     """One placement group per role."""
     nodes: dict[str, list[dict[str, Any]]]
     """Each role's bundles' node answers (:func:`probe_nodes`): node id, host, a free port, cores."""
+    done_at: float
+    """When the stage ended (time.time()): the start stage's first phase counts from here."""
 
     def in_group(self, role: str, index: int) -> Any:
         """The scheduling strategy of bundle ``index`` of ``role``'s placement group."""
@@ -101,8 +103,8 @@ def provision(cfg: Config, placement: PlacementPlan, address: str | None, early:
     groups = placement_groups(cfg, placement)
     t = driver_phase(startup, "placement", t)
     nodes = probe_nodes(cfg, placement, groups, role_env, own_ray, model_path, reference_path)
-    driver_phase(startup, "node checks", t)
-    return Provisioned(placement, own_ray, across_nodes, role_env, startup, groups, nodes)
+    t = driver_phase(startup, "node checks", t)
+    return Provisioned(placement, own_ray, across_nodes, role_env, startup, groups, nodes, t)
 
 
 def driver_phase(startup: StartupWatch, phase: str, since: float) -> float:

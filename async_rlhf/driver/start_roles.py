@@ -52,8 +52,6 @@ class Roles:
 
 def start_roles(cfg: Config, prov: Provisioned, model_path: str, reference_path: str) -> Roles:
     """The stage, top to bottom (the module's doc)."""
-    import time
-
     import ray
 
     from async_rlhf.generator.actor import GeneratorActor
@@ -61,10 +59,9 @@ def start_roles(cfg: Config, prov: Provisioned, model_path: str, reference_path:
     from async_rlhf.startup.phases import FIRST_PUSH
 
     res, startup = cfg.resources, prov.startup
-    t = time.time()
     buffer = start_buffer(cfg, prov)
     buffer_address = ray.get(buffer.address.remote())
-    driver_phase(startup, "buffer start", t)
+    driver_phase(startup, "buffer start", prov.done_at)  # from the node checks' end (the held-out task's submission)
     # the reward model's actors: created here, so owned by this driver and not by the generator that first
     # scores (Ray ends an actor with its owner); the generators find them by name
     reward_models = start_reward_models(cfg)

@@ -127,15 +127,6 @@ def describe_cycle(cycle: list[str], edges: dict[str, dict[str, str]]) -> str:
     return " -> ".join(cycle) + " (" + "; ".join(edges[a][b] for a, b in zip(cycle, cycle[1:])) + ")"
 
 
-KNOWN_BACK_EDGES = {
-    ("env", "agent"): "issue 45 (8aa3884): env/registry.py's make_task builds agent.environment.AgentEnv, and the "
-                      "agent package builds on env.base; to be cut on the agent/env side (the registry finding "
-                      "AgentEnv by name, or AgentEnv's builder living in agent/)",
-}
-"""Edges that close a circle today, each with why and who cuts it; left out of the walk so that any other circle
-fails. An entry whose edge is gone fails :func:`test_the_packages_import_each_other_without_a_circle`: remove it."""
-
-
 def test_the_packages_import_each_other_without_a_circle() -> None:
     """Start-up reads top to bottom only if the packages do (issue 46): no package (or top-level module) of
     ``async_rlhf`` reaches itself through imports, at the top or inside functions. A new circle fails here, named
@@ -143,9 +134,6 @@ def test_the_packages_import_each_other_without_a_circle() -> None:
     edges = package_graph()
     assert {"driver", "learner", "prebuild", "buffer", "generator"} <= set(edges), "the walk found too few packages"
     assert "policy_source" in edges["prebuild"], "prebuild resolves the tiny policy through policy_source"
-    for (a, b), why in KNOWN_BACK_EDGES.items():
-        assert b in edges.get(a, {}), f"{a} -> {b} is gone: remove it from KNOWN_BACK_EDGES ({why})"
-        del edges[a][b]
     cycle = find_cycle(edges)
     assert not cycle, "the packages import each other in a circle: " + describe_cycle(cycle, edges)
 
