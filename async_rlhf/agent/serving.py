@@ -93,7 +93,11 @@ class AgentServer:
         self._serving = self._endpoint.submit(self._server.serve(sockets=[sock]))
         self._episodes = _LoopThread("agent-episodes")
         self._limit = asyncio.Semaphore(max(1, max_episodes))  # used on the episodes' loop only
-        self._http: Any = None
+        self._idle_http: list[Any] = []
+        """One HTTP connection pool per running episode, reused by the next: a single pool shared by tens of
+        concurrent episodes spent a third of the agents' CPU in httpcore assigning requests to connections
+        (its cost grows with requests x connections)."""
+        self._all_http: list[Any] = []
 
     def url(self, episode_id: str) -> str:
         return f"http://{self.host}:{self.port}/s/{episode_id}/v1"
@@ -130,11 +134,17 @@ class AgentServer:
         import openai
 
         async with self._limit:
-            if self._http is None:  # one connection pool for every episode of this generator
-                self._http = httpx.AsyncClient(trust_env=False, timeout=self._timeout_s)
-            client = openai.AsyncOpenAI(base_url=self.url(episode_id), api_key="async-rlhf", max_retries=2,
-                                        timeout=self._timeout_s, http_client=self._http)
-            return await self.agent(task, client)
+            if self._idle_http:
+                http = self._idle_http.pop()
+            else:
+                http = httpx.AsyncClient(trust_env=False, timeout=self._timeout_s)
+                self._all_http.append(http)
+            try:
+                client = openai.AsyncOpenAI(base_url=self.url(episode_id), api_key="async-rlhf", max_retries=2,
+                                            timeout=self._timeout_s, http_client=http)
+                return await self.agent(task, client)
+            finally:
+                self._idle_http.append(http)
 
     def stop(self) -> None:
         self._server.should_exit = True
@@ -142,11 +152,13 @@ class AgentServer:
             self._serving.result(timeout=5.0)
         except Exception:  # noqa: BLE001 - stopping: a server that did not end in time is left to the process exit
             log.debug("agent endpoint did not stop in time", exc_info=True)
-        if self._http is not None:
-            http, self._http = self._http, None
+        pools, self._all_http, self._idle_http = self._all_http, [], []
+        if pools:
+            async def close_all() -> None:
+                await asyncio.gather(*(http.aclose() for http in pools), return_exceptions=True)
             try:
-                self._episodes.submit(http.aclose()).result(timeout=5.0)
+                self._episodes.submit(close_all()).result(timeout=5.0)
             except Exception:  # noqa: BLE001 - best effort at shutdown
-                log.debug("closing the agents' connection pool failed", exc_info=True)
+                log.debug("closing the agents' connection pools failed", exc_info=True)
         self._endpoint.stop()
         self._episodes.stop()
