@@ -16,11 +16,13 @@ Start-up, top to bottom (``../shared/STYLE.md`` item 13); no stage reaches back 
                 launch/cluster.py        config, PlacementPlan (driver/placement.py), memory plan, fits, address
                 policy_source.py         the model to start from (resolve_model), its held-out figure
                 driver/role_env.py       every role's environment, whether roles fork, the Ray to join
+                driver/runner.py run()   the run directory, the early fork servers, the model; then Cluster(...)
                   | cfg, PlacementPlan, model_path, reference_path, address, early fork servers
                   v
     provision   driver/provision.py      Ray started or joined, keys, the start-up watch's board, fork
                                          servers, placement groups, every node checked
-                  | Provisioned(placement, own_ray, across_nodes, role_env, startup, groups, nodes)
+                  | Provisioned(placement, own_ray, across_nodes, role_env, startup, groups, nodes, done_at)
+                  |   (Cluster.heldout: the start policy's held-out task in learner rank 0's bundle, beside)
                   v
     start       driver/start_roles.py    buffer, reward models, generators, learners, pinned to their cores,
                                          the first push's group
