@@ -396,10 +396,10 @@ def _run_locked(cfg: Config, address: str | None, cache_root: Path, resume: Path
         "weight_push_s": figures["weight_push_s"],
         **busy,
         # prompts passed over before generation (prompts.skip_uninformative), against groups generated
-        **agent_summary(figures["generator_stats"]),  # task.name=agent: episodes, turns, token_mismatch (0) ...
         "prompts_skipped": figures["prompts_skipped"],
         "groups_generated": figures["groups_generated"],
         "prompts_too_long": figures["prompts_too_long"],  # no room in the context window (prompt_fit.py)
+        **agent_summary(figures["generator_stats"]),  # task.name=agent: episodes, turns, token_mismatch (0) ...
         "steps": int(records[-1]["step"]) if records else figures["first_step"],
         "steps_configured": cfg.train.steps,
         # the training/inference agreement monitor (learner/agreement.py) over the whole run
