@@ -1,20 +1,24 @@
 """Host memory a run needs, per role, as a pure function of the config and the model's size.
 
-    generator (CPU engine)  engine ~0.9 GB (vLLM, torch, the actor)  + weights in the engine's dtype
-                            + KV cache generator.kv_cache_gib
-    generator (GPU engine)  ~0.9 GB on the host (weights and KV cache live on the GPU)
-    learner rank            ~0.6 GB (DeepSpeed, torch, the actor)    + policy state: weights, gradients, AdamW's
-                            two fp32 moments (+ fp32 master weights under bf16/fp16), the parts ZeRO shards
-                            divided by the ranks; + the frozen reference (KL, DPO) and PPO's critic (its own
-                            weights and optimizer); + the activations of one training forward (see
-                            :func:`activation_bytes`: the tokens of one micro-batch x layers x hidden x bytes x
-                            a factor, and the logits)
-    fixed                   ~1.0 GB: Ray's processes, the driver, the buffer actor
+    generator (CPU engine)  the process + weights in the engine's dtype + its KV cache (generator.kv_cache_gib;
+                            auto: what the engine can use, generator/engine_args.py kv_cache_plan)
+    generator (GPU engine)  the process only (weights and KV cache live on the GPU)
+    learner rank            the process + policy state: weights, gradients, AdamW's two fp32 moments (+ fp32
+                            master weights under bf16/fp16), the parts ZeRO shards divided by the ranks; + the
+                            frozen reference (KL, DPO) and PPO's critic (its own weights and optimizer); + the
+                            activations of one training forward (see :func:`activation_bytes`: the tokens of one
+                            micro-batch x layers x hidden x bytes x a factor, and the logits)
+    fixed                   Ray's processes, the driver, the buffer actor (and the fork servers)
 
-Measured here (tiny model, 0.3 M parameters): a CPU generator ~1.9 GB resident with 1 GiB of KV cache, a learner
-rank ~0.6 GB; 8 + 8 peaked at 16.5 GB on a 24 GiB machine. The estimate errs high (the KV cache is counted whole
-though its pages are touched only as it fills). A fleet whose estimate exceeds the node's memory is refused
-before anything starts, naming the largest one that fits.
+The process figures are proportional set sizes (PSS: a page shared by k processes counts 1/k in each), measured
+here with bench/fleet_memory.py (tiny model, 5 steps, docs/hardware.md). Forked roles (``run.fork_workers`` on a
+CPU run, the default) start as children of a fork server that has imported torch, vLLM and DeepSpeed, and share
+those pages: a generator costs ~0.27 GB of its own beside its KV cache and a learner rank ~0.15 GB, over a fixed
+~1.75 GB (Ray ~0.6, the fork servers' imports ~0.4, the driver ~0.25, buffer and start-up board ~0.15, and the
+first pair's share of the imported pages); summed PSS of 1+1 .. 8+8 reads 2.24, 2.66, 3.55, 5.42 GB. A role that
+imports for itself (GPU runs, ``run.fork_workers=false``) holds its own copy: ~0.9 GB a generator, ~0.6 GB a
+learner rank (resident, measured before the fork servers), over ~1.0 GB. A fleet whose estimate exceeds the
+node's memory is refused before anything starts, naming the largest one that fits.
 """
 
 from __future__ import annotations
@@ -29,8 +33,18 @@ from async_rlhf.config import Config, ConfigError
 
 GB = 1e9
 GENERATOR_BASE_GB = 0.9
+"""A generator process that imports torch and vLLM itself (GPU runs, ``run.fork_workers=false``)."""
 LEARNER_BASE_GB = 0.6
+"""A learner rank that imports torch and DeepSpeed itself."""
 FIXED_GB = 1.0
+"""Ray, the driver and the buffer without fork servers."""
+GENERATOR_FORKED_GB = 0.27
+"""A forked generator's own pages (PSS) beside its weights and KV cache: vLLM's engine and the actor's heap, and
+the imported pages it writes to (copied on write)."""
+LEARNER_FORKED_GB = 0.15
+"""A forked learner rank's own pages (PSS) beside its model state and activations."""
+FORKED_FIXED_GB = 1.75
+"""Ray, the driver, the buffer and the fork servers with their imported pages, with forked roles."""
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -157,21 +171,29 @@ class MemoryPlan:
                 "fixed_gb": self.fixed_gb, "total_gb": round(self.total_gb(), 3)}
 
 
+def kv_cache_gb(cfg: Config) -> float:
+    """One CPU engine's KV cache, GB: ``generator.kv_cache_gib``, or with auto its :func:`kv_cache_plan`."""
+    from async_rlhf.generator.engine_args import kv_cache_plan
+
+    if cfg.generator.kv_cache_gib == "auto":
+        return kv_cache_plan(cfg).nbytes / GB
+    return float(cfg.generator.kv_cache_gib) * (1 << 30) / GB
+
+
 def estimate_memory(cfg: Config, params: int, generators: int | None = None,
                     learners: int | None = None, shape: ModelShape | None = None) -> MemoryPlan:
     """The memory plan of ``cfg`` (sizes default to the config's) for a policy of ``params`` parameters and, when
     known, ``shape`` (its activations: :func:`activation_bytes`; without it they are not counted)."""
     g = cfg.generators if generators is None else generators
     m = cfg.learners if learners is None else learners
-    gen = cfg.generator
+    gen, res = cfg.generator, cfg.resources
     wbytes = DTYPE_BYTES.get(cfg.model.dtype, 4)
-    if cfg.resources.generator_gpus > 0:
-        generator_gb = GENERATOR_BASE_GB
-    else:
+    forked = cfg.run.fork_workers and res.generator_gpus == 0 and res.learner_gpus == 0  # as the driver decides
+    generator_gb = GENERATOR_FORKED_GB if forked else GENERATOR_BASE_GB
+    if res.generator_gpus == 0:
         engine_dtype = cfg.model.dtype if gen.dtype == "auto" else gen.dtype
-        generator_gb = (GENERATOR_BASE_GB + params * DTYPE_BYTES.get(engine_dtype, 4) / GB
-                        + gen.kv_cache_gib * (1 << 30) / GB)
-    learner_gb = LEARNER_BASE_GB
+        generator_gb += params * DTYPE_BYTES.get(engine_dtype, 4) / GB + kv_cache_gb(cfg)
+    learner_gb = LEARNER_FORKED_GB if forked else LEARNER_BASE_GB
     activations = 0.0
     if cfg.resources.learner_gpus == 0:  # on a GPU the state lives there
         stage = cfg.learner.zero_stage
@@ -186,7 +208,7 @@ def estimate_memory(cfg: Config, params: int, generators: int | None = None,
         critic = params * per_param if cfg.train.algorithm == "ppo" else 0
         activations = activation_bytes(cfg, shape, m) if shape is not None else 0
         learner_gb += (trained + ref + critic + activations) / GB
-    return MemoryPlan(generator_gb, learner_gb, FIXED_GB, g, m, activations / GB)
+    return MemoryPlan(generator_gb, learner_gb, FORKED_FIXED_GB if forked else FIXED_GB, g, m, activations / GB)
 
 
 def check_memory(plan: MemoryPlan, node_gb: float, where: str = "this machine") -> None:

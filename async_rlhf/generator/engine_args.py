@@ -10,6 +10,9 @@ Per-device defaults (``generator.*`` set to auto / 0 picks them)::
     dtype                 model.dtype                          model.dtype
     max_model_len         model.max_model_len                  model.max_model_len
     tensor_parallel_size  1                                    resources.tensor_parallel
+    KV cache              generator.kv_cache_gib: auto sizes it    gpu_memory_utilization
+                          to what the engine can use
+                          (kv_cache_plan)
     async_scheduling      off (in_flight) / vLLM's (drain)     same: see VersionClock
     logprobs_mode         processed_logprobs                   processed_logprobs
 
@@ -29,7 +32,10 @@ in-flight updates it is turned off; with drain updates nothing is in flight at a
 
 from __future__ import annotations
 
+import json
 from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -66,7 +72,12 @@ def engine_kwargs(cfg: Any) -> dict[str, Any]:
         out["block_size"] = gen.kv_block_size
     out["logprobs_mode"] = "processed_logprobs"  # the sampled distribution's log-probs (module docstring)
     if not on_gpu:  # in bytes: VLLM_CPU_KVCACHE_SPACE, which vLLM would prefer, takes whole GiB only
-        out["kv_cache_memory_bytes"] = kv_cache_bytes(gen.kv_cache_gib)
+        if gen.kv_cache_gib == "auto":
+            kv = kv_cache_plan(cfg)
+            out["num_gpu_blocks_override"] = kv.blocks  # the cache vLLM allocates: these blocks, its own page size
+            out["kv_cache_memory_bytes"] = kv.nbytes  # skips vLLM's warm-up and share-of-the-machine sizing
+        else:
+            out["kv_cache_memory_bytes"] = kv_cache_bytes(gen.kv_cache_gib)
     return out
 
 
@@ -96,6 +107,71 @@ def apply_compile_stance(engine: dict[str, Any], on_gpu: bool) -> None:
 
 def kv_cache_bytes(gib: float) -> int:
     return int(gib * (1 << 30))
+
+
+CPU_BLOCK_TOKENS = 128
+"""vLLM's KV block on the CPU backend when ``generator.kv_block_size`` is 0 (vllm/platforms/cpu.py, 0.32)."""
+MIN_KV_SEQUENCES = 16
+"""The automatic KV cache holds at least this many whole sequences of ``max_model_len`` (a fleet with few groups
+in flight still batches the held-out evaluation and a group's retries)."""
+DEFAULT_KV_BYTES_PER_TOKEN = 4096
+"""Per-token KV bytes assumed when the model's ``config.json`` cannot be read (the tiny model's is 1024; this
+only sizes ``kv_cache_memory_bytes``: the blocks vLLM allocates are ``num_gpu_blocks_override`` at its own page
+size, whatever the model)."""
+
+
+@dataclass(frozen=True)
+class KvCachePlan:
+    """The automatic KV cache of one CPU engine (``generator.kv_cache_gib=auto``)."""
+
+    sequences: int
+    """Sequences the engine may run at once: ``groups_in_flight x group_size``, + the held-out prompts when
+    generator 0 evaluates (all submitted at once), at least :data:`MIN_KV_SEQUENCES`."""
+    block_tokens: int
+    blocks: int
+    """``sequences x ceil(max_model_len / block_tokens)``, + 1: vLLM's block pool holds one null block back."""
+    bytes_per_token: int
+    """2 (K and V) x layers x KV heads x head dim x the engine dtype's bytes."""
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks * self.block_tokens * self.bytes_per_token
+
+
+def kv_bytes_per_token(model_path: str | Path | None, dtype: str) -> int:
+    """K and V bytes one token takes in the cache of a Hugging Face model (``config.json``: layers, KV heads,
+    head dim), or of the tiny model (``model_path`` empty: its architecture, async_rlhf/tiny/cache.py);
+    :data:`DEFAULT_KV_BYTES_PER_TOKEN` when the config is unreadable."""
+    nbytes = {"float32": 4, "bfloat16": 2, "float16": 2}.get(dtype, 4)
+    if not model_path:
+        from async_rlhf.tiny.cache import HIDDEN_SIZE, NUM_HEADS, NUM_KV_HEADS, NUM_LAYERS
+
+        return 2 * NUM_LAYERS * NUM_KV_HEADS * (HIDDEN_SIZE // NUM_HEADS) * nbytes
+    try:
+        conf = json.loads((Path(model_path) / "config.json").read_text())
+        conf = conf.get("text_config", conf)
+        heads = int(conf["num_attention_heads"])
+        head_dim = int(conf.get("head_dim") or int(conf["hidden_size"]) // heads)
+        kv_heads = int(conf.get("num_key_value_heads") or heads)
+        return 2 * int(conf["num_hidden_layers"]) * kv_heads * head_dim * nbytes
+    except (OSError, ValueError, KeyError, TypeError):
+        return DEFAULT_KV_BYTES_PER_TOKEN
+
+
+def kv_cache_plan(cfg: Any) -> KvCachePlan:
+    """What an engine can use of its KV cache, and no more: every sequence it may run at once at the longest
+    context it accepts, rounded up to whole blocks (see :class:`KvCachePlan`). Beyond it vLLM queues requests
+    (no failure); the tiny model's default: 264 sequences of one 128-token block, 33.1 MiB."""
+    gen = cfg.generator
+    seqs = gen.groups_in_flight * cfg.train.group_size
+    if gen.eval_every:
+        seqs += cfg.task.heldout_size
+    seqs = max(seqs, MIN_KV_SEQUENCES)
+    block = gen.kv_block_size or CPU_BLOCK_TOKENS
+    context = gen.max_model_len or cfg.model.max_model_len
+    blocks = seqs * -(-context // block) + 1
+    dtype = cfg.model.dtype if gen.dtype == "auto" else gen.dtype
+    return KvCachePlan(seqs, block, blocks, kv_bytes_per_token(cfg.model.path, dtype))
 
 
 def prompt_inputs(token_ids: list[int], version: int) -> dict[str, Any]:
