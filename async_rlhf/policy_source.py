@@ -21,6 +21,15 @@ def resolve_model(cfg: Config, cache_root: Path) -> str:
     from async_rlhf.tiny.cache import cached_policy
 
     task = cfg.task
+    if task.name == "agent" and cfg.agent.task == "calculator":  # the tiny tool policy (tiny/tool_sft.py)
+        from async_rlhf.tiny.tool_sft import cached_tool_policy
+
+        cached = cached_tool_policy(cache_root, task, seed=cfg.train.seed)
+        if cached is not None:
+            return str(cached)
+        from async_rlhf.tiny.tool_sft import prepare_tool_policy
+
+        return str(prepare_tool_policy(cache_root, task, seed=cfg.train.seed))
     if task.name not in ("addition", "longtail"):  # guess_number, reward_model, custom: the addition warm start
         task = task.model_copy(update={"name": "addition"})
     cached = cached_policy(cache_root, task, seed=cfg.train.seed)  # without importing torch and transformers
@@ -40,6 +49,11 @@ def heldout_accuracy(model_dir: str, cfg: Config) -> float:
 
     model = load_eval_model(model_dir, cfg.model.dtype)  # the GPU in the model's dtype if there is one
     task = make_task(cfg.task)
+    if cfg.task.name == "agent" and cfg.agent.task == "calculator":  # the tool protocol, played greedily
+        from async_rlhf.tiny.tool_policy import TOOL_MAX_NEW_TOKENS, play_greedy
+
+        max_new = max(cfg.generator.max_new_tokens, TOOL_MAX_NEW_TOKENS)
+        return play_greedy(model, load_tokenizer(model_dir), task.heldout(), max_new)["accuracy"]
     return greedy_accuracy(model, load_tokenizer(model_dir), task.heldout(), cfg.generator.max_new_tokens)
 
 

@@ -14,6 +14,8 @@ What a first run used to build inside its start-up, on the cores the roles were 
     the tiny policy           with ``--tiny-policy DIR``: what a run given no model starts from (the demo's),
                               the tiny Qwen2 and its SFT warm start, cached in DIR (the launcher's runs/cache
                               when run from the same directory): ~50 s on 2 cores, inside a first run's start
+                              (and the tiny tool policy of ``agent.task=calculator``, async_rlhf/tiny/tool_sft.py:
+                              ~60 s more)
 
 Triton writes nothing on CPU (vLLM disables it without its CPU backend), and vLLM's eager engine compiles
 nothing (generator.enforce_eager=auto is on for the CPU engine, and the generator forces the torch.compile its
@@ -178,6 +180,19 @@ def build_tiny_policy(cache_root: Path) -> str:
     return f"prebuild: the tiny policy a run given no model starts from in {path} ({time.perf_counter() - t0:.0f} s)"
 
 
+def build_tool_policy(cache_root: Path) -> str:
+    """The tiny tool policy of ``agent.task=calculator`` (async_rlhf/tiny/tool_sft.py), built into ``cache_root``
+    as the launcher would; the line prebuild prints of it."""
+    from async_rlhf.config import Config
+    from async_rlhf.policy_source import resolve_model
+
+    cfg = Config()
+    cfg.task.name, cfg.agent.task = "agent", "calculator"
+    t0 = time.perf_counter()
+    path = resolve_model(cfg, cache_root)
+    return f"prebuild: the tiny tool policy of agent.task=calculator in {path} ({time.perf_counter() - t0:.0f} s)"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv == ["--vllm-model-info"]:
@@ -205,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     warm_matplotlib()
     if tiny_root is not None:
         print(build_tiny_policy(tiny_root), flush=True)
+        print(build_tool_policy(tiny_root), flush=True)
     print(f"prebuild: done in {time.perf_counter() - t0:.0f} s")
     return 0
 

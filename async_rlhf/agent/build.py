@@ -21,6 +21,10 @@ def serve_agents(task_env: Any, cfg: Any, tokenizer: Any, stop_ids: list[int], p
     from async_rlhf.endpoints import listen_host
 
     a = cfg.agent
+    if a.task == "calculator":  # the tool-use variant of addition: same problems, its own held-out scoring
+        from async_rlhf.env.calculator import CalculatorEnv
+
+        task_env = CalculatorEnv(task_env.task)
     registry = EpisodeRegistry(tokenizer, timeout_s=a.timeout_s, stop_token_ids=stop_ids,
                                chat_template_kwargs=template_kwargs(a.chat_template, tokenizer),
                                tool_parser=a.tool_parser, auto_open=False)

@@ -107,7 +107,7 @@ class AgentEnv(Environment):
         return 0.0
 
     def score_heldout(self, prompt: Prompt, completion: str) -> float:
-        return self.task_env.verify(prompt, completion)
+        return self.task_env.score_heldout(prompt, completion)
 
     async def rollout(self, prompt: Prompt, prompt_ids: list[int], policy: Policy) -> Trajectory:
         raise RuntimeError("AgentEnv plays whole groups: GroupRunner calls rollout_group")

@@ -25,6 +25,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 HERMES_START = "<tool_call>"
+PLUGINS = {"tiny_calculator": ("async_rlhf.agent.tiny_tool_parser", "TinyCalculatorToolParser")}
+"""The project's own parsers, registered with vLLM's ToolParserManager on first use (lazily: importing a parser
+module imports vLLM), so ``agent.tool_parser`` names them like vLLM's."""
+CALL_START = {"hermes": HERMES_START, "tiny_calculator": "<tool_call>"}
+"""A parser's call marker: a completion without it is plain content, answered without importing vLLM."""
 
 
 @dataclass(frozen=True)
@@ -57,6 +62,8 @@ class ToolCallParser:
         if self._parser is None:
             from vllm.tool_parsers import ToolParserManager
 
+            if self.name in PLUGINS and self.name not in ToolParserManager.tool_parsers:
+                ToolParserManager.register_lazy_module(self.name, *PLUGINS[self.name])
             cls = ToolParserManager.get_tool_parser(self.name)
             self._parser = cls(self.tokenizer)
             self._logger = logging.getLogger(cls.__module__)
@@ -65,7 +72,7 @@ class ToolCallParser:
     def parse(self, text: str, tools: list[dict[str, Any]] | None = None) -> ParsedCompletion:
         """Content and tool calls of a complete assistant text (stop token excluded); ``tools`` are the request's
         OpenAI tool definitions (some parsers read their schemas; hermes does not)."""
-        if self.name == "hermes" and HERMES_START not in text:
+        if self.name in CALL_START and CALL_START[self.name] not in text:
             return ParsedCompletion(content=text)
         parser = self._vllm_parser()
         try:
@@ -100,6 +107,5 @@ class ToolCallParser:
 
     def _has_marker(self, text: str) -> bool:
         """Whether the text starts a tool call in this parser's format (then no calls parsed means malformed)."""
-        start = getattr(self._parser, "tool_call_start_token", None) or (HERMES_START if self.name == "hermes"
-                                                                            else None)
+        start = getattr(self._parser, "tool_call_start_token", None) or CALL_START.get(self.name)
         return start is not None and start in text

@@ -14,9 +14,12 @@ class AgentConfig(Section):
     is the prompt's data (``prompt``, ``messages`` and the task's fields, e.g. ``answer``), ``client`` a stock
     ``openai.AsyncOpenAI`` whose base URL is this episode's; the return is the episode's reward (a number), or
     ``{"reward": r, "turn_rewards": [...]}`` with a reward per assistant turn."""
-    task: Literal["addition"] = "addition"
+    task: Literal["addition", "calculator"] = "addition"
     """The task whose prompts the episodes start from, whose data the agent gets, and whose held-out problems measure
-    accuracy (greedy, the first turn: the prompt the plain template renders is the task's own)."""
+    accuracy (greedy, the first turn: the prompt the plain template renders is the task's own) | calculator: the
+    tool-use variant of addition, whose policy (the tiny tool policy, with its chat template) may call a calculator
+    tool (async_rlhf/env/calculator.py; run it with agent.tool_parser=tiny_calculator, generator.max_new_tokens=10
+    and agent.entry=async_rlhf.agent.examples.calculator:run); its held-out accuracy plays the tool protocol."""
     episodes_per_generator: Count = 0
     """Agent episodes running at once on one generator; 0: generator.groups_in_flight x train.group_size."""
     timeout_s: AboveZero = 120.0
