@@ -10,7 +10,8 @@ of the agent runs (``agent.task=calculator``, issue 45):
                system      nothing; ``tools`` nothing (the character vocabulary cannot spell a JSON schema)
     a whole tool episode:  12+34=<tool_call>12+34</tool_call></s><tool_response>46</tool_response>046</s>
 
-The template is append-only (a history renders as a prefix of the history + any tail) and adds no generation
+Arguments are rendered from the object (as vLLM and the agent ledger give them to a template; a JSON text is
+written as it is). The template is append-only (a history renders as a prefix of the history + any tail) and adds no generation
 prompt, so the agent ledger splices only what is new and a one-message episode renders the task's own prompt.
 A call's arguments are the JSON object ``{"expression": "12+34"}``; the model writes only the expression (a JSON
 call would not fit the 64-token window): ``async_rlhf.agent.tiny_tool_parser`` reads it with vLLM's tool-parser
@@ -46,8 +47,9 @@ CHAT_TEMPLATE = (
     "{%- for m in messages %}"
     "{%- if m['role'] == 'user' %}{{ m['content'] }}"
     "{%- elif m['role'] == 'assistant' %}{{ m['content'] or '' }}"
-    "{%- for tc in m.get('tool_calls') or [] %}" + CALL_START
-    + "{{ tc['function']['arguments']['expression'] }}" + CALL_END + "{%- endfor %}{{ eos_token }}"
+    "{%- for tc in m.get('tool_calls') or [] %}{%- set args = tc['function']['arguments'] %}" + CALL_START
+    + "{%- if args is mapping %}{{ args['expression'] }}{%- else %}{{ args }}{%- endif %}" + CALL_END
+    + "{%- endfor %}{{ eos_token }}"
     "{%- elif m['role'] == 'tool' %}" + RESPONSE_START + "{{ m['content'] }}" + RESPONSE_END
     + "{%- endif %}"
     "{%- endfor %}"
