@@ -21,8 +21,8 @@ class GeneratorConfig(Section):
     """Prompt groups each generator keeps in flight (subject to the admission rule)."""
     update_mode: Literal["in_flight", "drain"] = "in_flight"
     """How a new version is loaded: in_flight (pause between engine steps, swap, resume) or drain."""
-    kv_cache_gib: AboveZero | Literal["auto"] = "auto"
-    """KV cache of each CPU engine, GiB (fractions too), or auto: what the engine can use, groups_in_flight x
+    kv_cache_gib: NonNegative = 0.0
+    """KV cache of each CPU engine, GiB (fractions too); 0: auto, what the engine can use: groups_in_flight x
     group_size sequences (+ the held-out prompts) of max_model_len in whole KV blocks (33 MiB for the tiny model;
     async_rlhf/generator/engine_args.py kv_cache_plan). The GPU engine sizes its cache by
     generator.gpu_memory_utilization instead."""

@@ -1,7 +1,7 @@
 """Host memory a run needs, per role, as a pure function of the config and the model's size.
 
     generator (CPU engine)  the process + weights in the engine's dtype + its KV cache (generator.kv_cache_gib;
-                            auto: what the engine can use, generator/engine_args.py kv_cache_plan)
+                            0, auto: what the engine can use, generator/engine_args.py kv_cache_plan)
     generator (GPU engine)  the process only (weights and KV cache live on the GPU)
     learner rank            the process + policy state: weights, gradients, AdamW's two fp32 moments (+ fp32
                             master weights under bf16/fp16), the parts ZeRO shards divided by the ranks; + the
@@ -147,6 +147,10 @@ class MemoryPlan:
     learners: int
     activation_gb: float = 0.0
     """Of ``learner_gb``: one training forward's activations (:func:`activation_bytes`)."""
+    kv_gb: float = 0.0
+    """Of ``generator_gb``: the KV cache of a CPU engine."""
+    kv_auto: bool = True
+    """The KV cache is sized to what the engine can use (``generator.kv_cache_gib=0``), not set."""
 
     def total_gb(self, generators: int | None = None, learners: int | None = None) -> float:
         g = self.generators if generators is None else generators
@@ -164,7 +168,8 @@ class MemoryPlan:
 
     def table(self) -> str:
         return (f"memory estimate: {self.generator_gb:.2f} GB per generator, {self.learner_gb:.2f} GB per learner "
-                f"rank, {self.fixed_gb:.1f} GB for Ray, the driver and the buffer: {self.total_gb():.1f} GB in all")
+                f"rank, {self.fixed_gb:.2f} GB for Ray, the driver, the buffer and the fork servers: "
+                f"{self.total_gb():.1f} GB in all")
 
     def to_dict(self) -> dict[str, Any]:
         return {"generator_gb": round(self.generator_gb, 3), "learner_gb": round(self.learner_gb, 3),
@@ -172,10 +177,10 @@ class MemoryPlan:
 
 
 def kv_cache_gb(cfg: Config) -> float:
-    """One CPU engine's KV cache, GB: ``generator.kv_cache_gib``, or with auto its :func:`kv_cache_plan`."""
+    """One CPU engine's KV cache, GB: ``generator.kv_cache_gib``, or with 0 (auto) its :func:`kv_cache_plan`."""
     from async_rlhf.generator.engine_args import kv_cache_plan
 
-    if cfg.generator.kv_cache_gib == "auto":
+    if cfg.generator.kv_cache_gib == 0:  # auto
         return kv_cache_plan(cfg).nbytes / GB
     return float(cfg.generator.kv_cache_gib) * (1 << 30) / GB
 
@@ -190,9 +195,10 @@ def estimate_memory(cfg: Config, params: int, generators: int | None = None,
     wbytes = DTYPE_BYTES.get(cfg.model.dtype, 4)
     forked = cfg.run.fork_workers and res.generator_gpus == 0 and res.learner_gpus == 0  # as the driver decides
     generator_gb = GENERATOR_FORKED_GB if forked else GENERATOR_BASE_GB
+    kv_gb = kv_cache_gb(cfg) if res.generator_gpus == 0 else 0.0
     if res.generator_gpus == 0:
         engine_dtype = cfg.model.dtype if gen.dtype == "auto" else gen.dtype
-        generator_gb += params * DTYPE_BYTES.get(engine_dtype, 4) / GB + kv_cache_gb(cfg)
+        generator_gb += params * DTYPE_BYTES.get(engine_dtype, 4) / GB + kv_gb
     learner_gb = LEARNER_FORKED_GB if forked else LEARNER_BASE_GB
     activations = 0.0
     if cfg.resources.learner_gpus == 0:  # on a GPU the state lives there
@@ -208,11 +214,13 @@ def estimate_memory(cfg: Config, params: int, generators: int | None = None,
         critic = params * per_param if cfg.train.algorithm == "ppo" else 0
         activations = activation_bytes(cfg, shape, m) if shape is not None else 0
         learner_gb += (trained + ref + critic + activations) / GB
-    return MemoryPlan(generator_gb, learner_gb, FORKED_FIXED_GB if forked else FIXED_GB, g, m, activations / GB)
+    return MemoryPlan(generator_gb, learner_gb, FORKED_FIXED_GB if forked else FIXED_GB, g, m, activations / GB, kv_gb,
+                      gen.kv_cache_gib == 0)
 
 
 def check_memory(plan: MemoryPlan, node_gb: float, where: str = "this machine") -> None:
-    """Refuse a fleet whose estimate exceeds the node's memory, naming the largest ones that fit."""
+    """Refuse a fleet whose estimate exceeds the node's memory, naming the largest ones that fit (and, when the
+    config sets ``generator.kv_cache_gib``, that lowering it helps)."""
     need = plan.total_gb()
     if need <= node_gb:
         return
@@ -227,9 +235,11 @@ def check_memory(plan: MemoryPlan, node_gb: float, where: str = "this machine") 
     fits = ("; the largest that fit: " + " or ".join(options)) if options else "; not even 1 + 1 fits"
     raise ConfigError(
         f"{plan.generators} generator(s) and {plan.learners} learner rank(s) need about {need:.1f} GB of memory and "
-        f"{where} has {node_gb:.1f} GB ({plan.generator_gb:.2f} GB per generator, of which "
-        f"generator.kv_cache_gib is the KV cache; {plan.learner_gb:.2f} GB per learner rank; {plan.fixed_gb:.1f} GB "
-        f"for Ray, the driver and the buffer){fits}; or lower generator.kv_cache_gib (fractions of a GiB work)"
+        f"{where} has {node_gb:.1f} GB ({plan.generator_gb:.2f} GB per generator, of which {plan.kv_gb:.2f} GB "
+        f"is its KV cache; {plan.learner_gb:.2f} GB per learner rank; {plan.fixed_gb:.2f} GB for Ray, the driver, "
+        f"the buffer and the fork servers){fits}"
+        + ("" if plan.kv_auto else "; or lower generator.kv_cache_gib (fractions of a GiB work; 0: what the engines "
+           "can use)")
         + (f"; a learner rank's activations are {plan.activation_gb:.1f} GB of it: bound them with "
            "learner.max_tokens_per_micro_batch (and model.max_model_len)" if plan.activation_gb > 1.0 else ""))
 

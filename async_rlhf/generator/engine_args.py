@@ -10,8 +10,8 @@ Per-device defaults (``generator.*`` set to auto / 0 picks them)::
     dtype                 model.dtype                          model.dtype
     max_model_len         model.max_model_len                  model.max_model_len
     tensor_parallel_size  1                                    resources.tensor_parallel
-    KV cache              generator.kv_cache_gib: auto sizes it    gpu_memory_utilization
-                          to what the engine can use
+    KV cache              generator.kv_cache_gib: 0 (auto) sizes   gpu_memory_utilization
+                          it to what the engine can use
                           (kv_cache_plan)
     async_scheduling      off (in_flight) / vLLM's (drain)     same: see VersionClock
     logprobs_mode         processed_logprobs                   processed_logprobs
@@ -72,7 +72,7 @@ def engine_kwargs(cfg: Any) -> dict[str, Any]:
         out["block_size"] = gen.kv_block_size
     out["logprobs_mode"] = "processed_logprobs"  # the sampled distribution's log-probs (module docstring)
     if not on_gpu:  # in bytes: VLLM_CPU_KVCACHE_SPACE, which vLLM would prefer, takes whole GiB only
-        if gen.kv_cache_gib == "auto":
+        if gen.kv_cache_gib == 0:  # auto
             kv = kv_cache_plan(cfg)
             out["num_gpu_blocks_override"] = kv.blocks  # the cache vLLM allocates: these blocks, its own page size
             out["kv_cache_memory_bytes"] = kv.nbytes  # skips vLLM's warm-up and share-of-the-machine sizing
@@ -122,7 +122,7 @@ size, whatever the model)."""
 
 @dataclass(frozen=True)
 class KvCachePlan:
-    """The automatic KV cache of one CPU engine (``generator.kv_cache_gib=auto``)."""
+    """The automatic KV cache of one CPU engine (``generator.kv_cache_gib=0``, the default)."""
 
     sequences: int
     """Sequences the engine may run at once: ``groups_in_flight x group_size``, + the held-out prompts when

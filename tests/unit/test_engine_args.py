@@ -10,9 +10,12 @@ from async_rlhf.generator.engine_args import VersionClock, engine_kwargs, engine
 
 def test_cpu_defaults_are_what_the_engine_always_got() -> None:
     kw = engine_kwargs(load_config())
+    # the KV cache: 8 groups x 8 samples + 200 held-out prompts, one 128-token block each (64-token context),
+    # + the null block; 1024 bytes a token (2 x 2 layers x 2 KV heads x head dim 32 x 4 bytes)
     assert kw == {"dtype": "float32", "enforce_eager": True, "max_model_len": load_config().model.max_model_len,
                   "gpu_memory_utilization": 0.3, "tensor_parallel_size": 1, "async_scheduling": False,
-                  "kv_cache_memory_bytes": 1 << 30, "logprobs_mode": "processed_logprobs"}
+                  "num_gpu_blocks_override": 265, "kv_cache_memory_bytes": 265 * 128 * 1024,
+                  "logprobs_mode": "processed_logprobs"}
     assert engine_lag(kw, on_gpu=False) == 0
 
 
@@ -37,7 +40,7 @@ def test_kv_cache_takes_fractions_of_a_gib_as_bytes_and_gpu_engines_size_their_o
     gpu = engine_kwargs(load_config(None, ["resources.generator_gpus=1", "resources.learner_gpus=1"]))
     assert "kv_cache_memory_bytes" not in gpu
     with pytest.raises(ConfigError):
-        load_config(None, ["generator.kv_cache_gib=0"])
+        load_config(None, ["generator.kv_cache_gib=-1"])
 
 
 def test_gpu_defaults_and_overrides() -> None:
@@ -136,3 +139,35 @@ def test_an_eager_cpu_engine_runs_vllms_compiled_helpers_eagerly_too() -> None:
     assert eager_compile_stance(engine_kwargs(gpu_cfg), on_gpu=True) is None
     compiled = engine_kwargs(load_config(None, ["generator.enforce_eager=off"]))
     assert eager_compile_stance(compiled, on_gpu=False) is None
+
+
+def test_the_automatic_kv_cache_holds_what_the_engine_can_run_in_whole_blocks(tmp_path) -> None:
+    """generator.kv_cache_gib=auto: sequences in flight x blocks per max_model_len sequence + vLLM's null block,
+    at the model's per-token K and V bytes; a floor of MIN_KV_SEQUENCES sequences; a number keeps its GiB."""
+    import json
+
+    from async_rlhf.generator.engine_args import MIN_KV_SEQUENCES, kv_bytes_per_token, kv_cache_plan
+
+    no_eval = ["generator.eval_every=0"]
+    kv = kv_cache_plan(load_config(None, [*no_eval, "generator.groups_in_flight=4", "train.group_size=4"]))
+    assert (kv.sequences, kv.block_tokens, kv.blocks, kv.bytes_per_token) == (16, 128, 17, 1024)
+    # a context of 300 tokens takes 3 blocks of 128 (rounded up), or 19 of 16
+    long = kv_cache_plan(load_config(None, [*no_eval, "model.max_model_len=300", "generator.max_new_tokens=8"]))
+    assert (long.sequences, long.blocks) == (64, 64 * 3 + 1)
+    small_blocks = kv_cache_plan(load_config(None, [*no_eval, "model.max_model_len=300", "generator.max_new_tokens=8",
+                                                    "generator.kv_block_size=16"]))
+    assert small_blocks.blocks == 64 * 19 + 1 and small_blocks.nbytes == (64 * 19 + 1) * 16 * 1024
+    floor = kv_cache_plan(load_config(None, [*no_eval, "generator.groups_in_flight=1", "train.group_size=2"]))
+    assert floor.sequences == MIN_KV_SEQUENCES
+    with_eval = kv_cache_plan(load_config(None, ["task.heldout_size=50"]))
+    assert with_eval.sequences == 8 * 8 + 50
+    # a Hugging Face model's per-token bytes: Llama-2-7B in bf16 (32 layers, 32 KV heads of 128) = 512 KiB
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 32, "hidden_size": 4096,
+                                                      "num_attention_heads": 32, "vocab_size": 32000}))
+    assert kv_bytes_per_token(tmp_path, "bfloat16") == 2 * 32 * 32 * 128 * 2
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 24, "hidden_size": 896, "head_dim": 64,
+                                                      "num_attention_heads": 14, "num_key_value_heads": 2}))
+    assert kv_bytes_per_token(tmp_path, "float32") == 2 * 24 * 2 * 64 * 4  # grouped KV heads (Qwen2-0.5B)
+    assert kv_bytes_per_token(tmp_path / "absent", "float32") > 0
+    fixed = engine_kwargs(load_config(None, ["generator.kv_cache_gib=0.25"]))
+    assert fixed["kv_cache_memory_bytes"] == 1 << 28 and "num_gpu_blocks_override" not in fixed
