@@ -148,8 +148,8 @@ def main() -> None:
         raw_training = during.result(cfg.sync.timeout_s)
         print("scale: trained; on the quiet fleet: the raw broadcast, the push, the all-reduce, memory", flush=True)
         records = figures["records"]
-        raw = pt.raw_broadcast(cluster, args.reps)
-        quiet = pt.quiet_push(cluster, args.reps, cfg.sync.timeout_s)
+        compared = pt.quiet_rounds(cluster, args.reps, timeout_s=cfg.sync.timeout_s)
+        raw, quiet = compared["raw"], compared["pushes"]
         pushes = pt.training_pushes(records)
         lives = pt.training_live(cluster, pushes)
         intervals = pt.generator_intervals(cluster)

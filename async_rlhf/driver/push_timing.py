@@ -44,6 +44,30 @@ def _members(cluster: Any) -> list[str]:
 
 
 # -- run inside the actors (through __ray_call__: the first argument is the actor instance) -----------------------
+def _worker_instrument(worker: Any) -> None:
+    """In a generator's vLLM worker: its receiver's fetch (the fetch thread calls it each time through the
+    attribute) logs when it returned which version: when this member held the bytes and had acknowledged."""
+    from collections import deque
+
+    rx = worker._receiver  # vLLM's worker wrapper hands unknown attributes to the worker (worker_ext.py's)
+    if rx is None or getattr(rx, "_push_timing_fetches", None) is not None:
+        return
+    fetches: deque = deque(maxlen=LOG_MAX)
+    fetch = rx.fetch
+
+    def timed_fetch(*args: Any, **kwargs: Any) -> Any:
+        staged = fetch(*args, **kwargs)
+        fetches.append((time.time(), int(staged.version)))
+        return staged
+
+    rx.fetch, rx._push_timing_fetches = timed_fetch, fetches
+
+
+def _worker_fetches(worker: Any) -> dict[str, Any]:
+    rx = worker._receiver
+    return {"member": rx.member_id, "fetches": list(getattr(rx, "_push_timing_fetches", ()) or ())}
+
+
 def _instrument(gen: Any) -> None:
     if getattr(gen, "_push_timing_steps", None) is not None:
         return
@@ -51,7 +75,8 @@ def _instrument(gen: Any) -> None:
 
     steps: deque = deque(maxlen=LOG_MAX)
     loads: deque = deque(maxlen=LOG_MAX)
-    step, load = gen.engine.step, gen._load_version
+    polls: deque = deque(maxlen=LOG_MAX)
+    step, load, staged = gen.engine.step, gen._load_version, gen._staged
 
     def timed_step(*args: Any, **kwargs: Any) -> Any:
         t0 = time.time()
@@ -67,13 +92,22 @@ def _instrument(gen: Any) -> None:
         finally:
             loads.append((t0, time.time()))
 
-    gen.engine.step, gen._load_version = timed_step, timed_load
-    gen._push_timing_steps, gen._push_timing_loads = steps, loads
+    def timed_staged() -> int | None:
+        got = staged()
+        polls.append((time.time(), -2 if got is None else int(got)))
+        return got
+
+    gen.engine.step, gen._load_version, gen._staged = timed_step, timed_load, timed_staged
+    gen._push_timing_steps, gen._push_timing_loads, gen._push_timing_polls = steps, loads, polls
+    gen.llm.collective_rpc(_worker_instrument)
 
 
-def _intervals(gen: Any) -> dict[str, list[tuple[float, float]]]:
+def _intervals(gen: Any) -> dict[str, Any]:
+    fetches = {w["member"]: w["fetches"] for w in gen.llm.collective_rpc(_worker_fetches)}
     return {"steps": list(getattr(gen, "_push_timing_steps", ()) or ()),
-            "loads": list(getattr(gen, "_push_timing_loads", ()) or ())}
+            "loads": list(getattr(gen, "_push_timing_loads", ()) or ()),
+            "polls": list(getattr(gen, "_push_timing_polls", ()) or ()), "fetches": fetches,
+            "states": [list(x) for x in gen.timeline.intervals()]}
 
 
 def _steps_done(learner: Any) -> int:
@@ -106,9 +140,11 @@ def _raw_receive(gen: Any, tag: str, members: list[str], nbytes: int, reps: int)
     gen.llm.collective_rpc(_worker_raw_receive, args=(tag, list(members), int(nbytes), int(reps)))
 
 
-def _push_versions(learner: Any, count: int, timeout_s: float) -> list[dict[str, Any]]:
+def _push_versions(learner: Any, count: int, timeout_s: float, settle_s: float) -> list[dict[str, Any]]:
     """Learner rank 0: ``count`` pushes of its current weights as the next versions, each awaited until every
-    member serves it (or ``timeout_s``); the parameters are read as the run's pushes read them."""
+    member serves it (or ``timeout_s``), then ``settle_s`` for the members to finish the load and post their
+    receives again (the raw broadcast, likewise, starts once every member is posted); the parameters are read as
+    the run's pushes read them."""
     if learner.merged is None and learner.cfg.learner.zero_stage == 3:
         raise RuntimeError("a quiet push under ZeRO-3 needs every rank's gather: not measured")
     sender = learner._pusher.sender
@@ -119,21 +155,17 @@ def _push_versions(learner: Any, count: int, timeout_s: float) -> list[dict[str,
         metrics = sender.push(params, version)
         epoch, k, _ids = sender._last
         out.append({**metrics, "epoch": epoch, "k": k, "live": sender.wait_live(timeout_s)})
+        time.sleep(settle_s)
     return out
 
 
 def _serve_versions(gen: Any, last: int, timeout_s: float) -> int:
-    """A generator on the quiet fleet (its loop ended): what the loop's swap phase does, alone: ask the workers
-    for a staged version every UPDATE_POLL_S and load it at once, until it serves ``last``."""
-    from async_rlhf.generator.loop_phases import UPDATE_POLL_S
-
+    """A generator on the quiet fleet (its loop ended) serving every version up to ``last`` as soon as it arrives:
+    the loop's load (``_load_version``: its workers' ``apply_update`` waits on their fetch thread's condition, so
+    nothing polls and the receivers are as idle as the raw broadcast's)."""
     deadline = time.monotonic() + timeout_s
     while gen.version < last and time.monotonic() < deadline:
-        staged = gen._staged()
-        if staged is not None and (staged < 0 or staged > gen.version):
-            gen._load_version()
-        else:
-            time.sleep(UPDATE_POLL_S)
+        gen._load_version()
     return int(gen.version)
 
 
@@ -225,16 +257,29 @@ class RawDuringTraining:
         return dict(self._out) if not self._thread.is_alive() else {"error": f"still running after {timeout_s} s"}
 
 
-def quiet_push(cluster: Any, reps: int, timeout_s: float = 120.0) -> list[dict[str, Any]]:
+def quiet_push(cluster: Any, reps: int, timeout_s: float = 120.0, settle_s: float = 0.2) -> list[dict[str, Any]]:
     """On the quiet fleet after training: a warm-up and ``reps`` pushes (see :func:`_push_versions`), every
     generator serving each version as it arrives; per push (warm-up left out) its metrics and ``live``."""
     import ray
 
     start = ray.get(cluster.generators[0].__ray_call__.remote(lambda g: int(g.version)))
     serving = [g.__ray_call__.remote(_serve_versions, start + reps + 1, timeout_s) for g in cluster.generators]
-    pushes = ray.get(cluster.learners[0].__ray_call__.remote(_push_versions, reps + 1, timeout_s))
+    pushes = ray.get(cluster.learners[0].__ray_call__.remote(_push_versions, reps + 1, timeout_s, settle_s))
     ray.get(serving)
     return pushes[1:]
+
+
+def quiet_rounds(cluster: Any, reps: int, rounds: int = 2, timeout_s: float = 120.0) -> dict[str, Any]:
+    """``rounds`` times, ``reps`` raw broadcasts then ``reps`` pushes, on the quiet fleet (alternating blocks: a
+    drift of the machine's load reaches both); the raw broadcasts' seconds, the pushes (:func:`quiet_push`)."""
+    raws: list[float] = []
+    pushes: list[dict[str, Any]] = []
+    raw: dict[str, Any] = {}
+    for _ in range(rounds):
+        raw = raw_broadcast(cluster, reps)
+        raws += raw["seconds"]
+        pushes += quiet_push(cluster, reps, timeout_s)
+    return {"raw": {**raw, "raw_s": _median(raws), "seconds": raws}, "pushes": pushes}
 
 
 def training_pushes(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -261,35 +306,74 @@ def _containing(intervals: list[tuple[float, float]], t: float) -> tuple[float, 
     return intervals[i] if i >= 0 and intervals[i][0] <= t <= intervals[i][1] else None
 
 
+def _count(names: list[str]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for n in names:
+        out[n] = out.get(n, 0) + 1
+    return out
+
+
 def _generator_of(member: str) -> int:
     """gen3 or gen3.tp1 -> 3."""
     return int(member.split(".")[0][len("gen"):])
 
 
-def served_timeline(pushes: list[dict[str, Any]], lives: list[dict[str, float]],
-                    intervals: list[dict[str, list[tuple[float, float]]]], poll_s: float) -> list[dict[str, Any]]:
-    """Per push and member that served it: from the push's acknowledgement (``sync/acked_time``: every member holds
-    the bytes) to the member's live time, cut where the engine step in progress at the acknowledgement ended
-    (``step_left_s`` of a step of ``step_s``) and where the load began (``apply_s`` long); ``between_s``: the
-    loop's other work, its poll (every ``poll_s``) and waiting for a core or the GIL. ``bound_s``: one engine step
-    (the one in progress) plus the apply plus one poll interval; ``held``: the wait stayed within it."""
+def _last_before(times: list[float], t: float) -> int:
+    """The index of the last of ``times`` (sorted) at or before ``t``; -1 if none."""
+    return bisect.bisect_right(times, t) - 1
+
+
+def _busiest_state(states: list[list[Any]], start: float, end: float) -> str:
+    """The generator's timeline state (generate, reward_and_put, wait_admission, ...) that covers most of
+    ``[start, end]``; "" if none does."""
+    overlap: dict[str, float] = {}
+    for name, a, b in states:
+        if b > start and a < end:
+            overlap[name] = overlap.get(name, 0.0) + min(b, end) - max(a, start)
+    return max(overlap, key=lambda n: overlap[n]) if overlap else ""
+
+
+def served_timeline(pushes: list[dict[str, Any]], lives: list[dict[str, float]], intervals: list[dict[str, Any]],
+                    poll_s: float) -> list[dict[str, Any]]:
+    """Per push and member that served it, from the push's start (``sync/acked_time - sync/push_s``):
+
+        staged_s     until this member's fetch returned it (it holds the bytes and has acknowledged)
+        ack          ``sync/acked_time``: every member acknowledged (the push is done for the learner)
+        step_left_s  then until the end of the engine step in progress (``step_s`` long; 0: none in progress)
+        asked_s      then until the loop asked its workers and found the version (the loop's other work, its poll
+                     every ``poll_s``, waiting for a core or the GIL; ``loop_state``: its busiest timeline state)
+        apply_s      the load (``_load_version``), live inside it; ``wait_s``: acknowledgement to live
+
+    ``bound_s``: one engine step (the one in progress) plus the apply plus one poll interval; ``held``: the wait
+    stayed within it."""
     rows = []
     for p, live in zip(pushes, lives):
         t_ack = float(p["sync/acked_time"])
         t_start = t_ack - float(p["sync/push_s"])
+        version = int(p["sync/version"])
         for member, t_live in sorted(live.items()):
             logs = intervals[_generator_of(member)]
             step = _containing([tuple(s) for s in logs["steps"]], t_ack)
             load = _containing([tuple(x) for x in logs["loads"]], t_live)
+            fetched = [t for t, v in logs.get("fetches", {}).get(member, []) if v == version]
+            polls = logs.get("polls", [])
+            load_start = load[0] if load else t_live
+            i = _last_before([t for t, _ in polls], load_start)
+            asked = polls[i][0] if i >= 0 and polls[i][0] >= t_ack - 1.0 else load_start
             step_s = step[1] - step[0] if step else 0.0
             step_end = step[1] if step else t_ack
             apply_s = load[1] - load[0] if load else 0.0
             wait_s = t_live - t_ack
             bound_s = step_s + apply_s + poll_s
-            rows.append({"version": int(p["sync/version"]), "member": member, "start": t_start, "ack": t_ack,
-                         "live": t_live, "push_s": float(p["sync/push_s"]), "wait_s": wait_s, "step_s": step_s,
-                         "step_left_s": step_end - t_ack if step else 0.0,
-                         "between_s": (load[0] if load else t_live) - step_end, "apply_s": apply_s,
+            loads = [tuple(x) for x in logs["loads"]]
+            at_start = ("loading" if _containing(loads, t_start) else "stepping"
+                        if _containing([tuple(x) for x in logs["steps"]], t_start) else "other")
+            rows.append({"version": version, "member": member, "start": t_start, "ack": t_ack, "live": t_live,
+                         "at_start": at_start,
+                         "push_s": float(p["sync/push_s"]), "staged_s": fetched[0] - t_start if fetched else -1.0,
+                         "wait_s": wait_s, "step_s": step_s, "step_left_s": step_end - t_ack if step else 0.0,
+                         "asked_s": asked - step_end, "between_s": load_start - step_end, "apply_s": apply_s,
+                         "loop_state": _busiest_state(logs.get("states", []), step_end, asked),
                          "bound_s": bound_s, "held": wait_s <= bound_s})
     return rows
 
@@ -311,6 +395,13 @@ def timeline_summary(rows: list[dict[str, Any]], pushes: list[dict[str, Any]], l
             "ack_to_live_s": _median(col("wait_s")), "ack_to_live_s_max": max(col("wait_s"), default=0.0),
             "step_s": _median(col("step_s")), "step_left_s": _median(col("step_left_s")),
             "between_s": _median(col("between_s")), "between_s_max": max(col("between_s"), default=0.0),
+            "staged_s": _median([x for x in col("staged_s") if x >= 0]), "staged_s_max": max(col("staged_s"),
+                                                                                              default=0.0),
+            "loop_states_late": _count([r["loop_state"] for r in rows if not r["held"]]),
+            "staged_s_by_state_at_start": {
+                state: {"pairs": len(v), "median": _median(v), "max": max(v)}
+                for state in ("loading", "stepping", "other")
+                if (v := [float(r["staged_s"]) for r in rows if r.get("at_start") == state and r["staged_s"] >= 0])},
             "apply_s": _median(col("apply_s")), "apply_s_max": max(col("apply_s"), default=0.0),
             "in_step_at_ack": sum(r["step_s"] > 0 for r in rows), "bound_held": sum(r["held"] for r in rows),
             "worst": {k: (round(v, 4) if isinstance(v, float) and k not in ("start", "ack", "live") else v)

@@ -44,3 +44,18 @@ def test_a_version_a_generator_never_served_is_counted_as_skipped() -> None:
     summary = timeline_summary(rows, pushes, lives, members=2)
     assert summary["pairs"] == 3 and summary["skipped"] == 1
     assert summary["served_s"] == pytest.approx(0.11)  # only the push both served: 10.2 - (10.1 - 0.01)
+
+
+def test_when_a_member_held_it_and_when_its_loop_asked() -> None:
+    # pushed at 9.99, gen0's fetch returned version 3 at 9.997; acknowledged by all at 10.0; no step in progress;
+    # the loop put a group (reward_and_put 10.0-10.03), asked at 10.031 (polls before found nothing new: -2),
+    # loaded 10.032-10.042
+    intervals = [{"steps": [], "loads": [(10.032, 10.042)], "fetches": {"gen0": [(9.997, 3)]},
+                  "polls": [(9.99, -2), (10.0, -2), (10.031, 3)],
+                  "states": [["generate", 9.9, 10.0], ["reward_and_put", 10.0, 10.03], ["generate", 10.03, 10.04]]}]
+    (row,) = served_timeline([push(3, 0, 10.0)], [{"gen0": 10.041}], intervals, poll_s=0.005)
+    assert row["staged_s"] == pytest.approx(0.007) and row["asked_s"] == pytest.approx(0.031)
+    assert row["loop_state"] == "reward_and_put" and row["apply_s"] == pytest.approx(0.01)
+    assert not row["held"]  # 41 ms > 0 + 10 + 5: the loop's own work kept the version waiting
+    summary = timeline_summary([row], [push(3, 0, 10.0)], [{"gen0": 10.041}], members=1)
+    assert summary["loop_states_late"] == {"reward_and_put": 1} and summary["staged_s"] == pytest.approx(0.007)
