@@ -117,7 +117,9 @@ class AgentEnv(Environment):
             raise RuntimeError("task.name=agent but this generator serves no agent endpoint")
         self.server.engine.bind(asyncio.get_running_loop())
         episodes = await asyncio.gather(*(self._episode(prompt, f"{gid}-{k}") for k in range(n)))
-        if any(ep.timed_out for ep, _, _ in episodes) and self.on_timeout == "drop_group":
+        timed_out = [ep for ep, _, _ in episodes if ep.timed_out]
+        if timed_out and (self.on_timeout == "drop_group" or any(not ep.ledger.turns_in_order() for ep in timed_out)):
+            # (an episode that timed out before its first turn has nothing to train: its group goes either way)
             raise DropGroup("agent_timeout", f"an episode of group {gid} passed agent.timeout_s")
         failed = [(ep.episode_id, err) for ep, _, err in episodes if err is not None and not ep.timed_out]
         if failed:

@@ -23,7 +23,7 @@ class AgentConfig(Section):
     episodes_per_generator: Count = 0
     """Agent episodes running at once on one generator; 0: generator.groups_in_flight x train.group_size."""
     timeout_s: AboveZero = 120.0
-    """An episode's deadline from its first call: later calls are refused (408, ``x-should-retry: false``) and the
+    """An episode's deadline from its start: later calls are refused (408, ``x-should-retry: false``) and the
     episode ends as ``timeout``; a call already sampling is finished and recorded."""
     on_timeout: Literal["train", "drop_group"] = "train"
     """A group with a timed-out episode: train (its turns are trained with the reward the agent returned, or

@@ -157,7 +157,7 @@ SLOW = '''
 import asyncio
 async def run(task, client):
     await client.chat.completions.create(model="m", messages=task["messages"])
-    await asyncio.sleep(0.6)
+    await asyncio.sleep(1.5)
     await client.chat.completions.create(model="m", messages=task["messages"] + [
         {"role": "assistant", "content": "1"}, {"role": "user", "content": "?"}])
     return 1.0
@@ -166,7 +166,7 @@ async def run(task, client):
 
 @pytest.mark.parametrize("rule", ["train", "drop_group"])
 def test_episode_deadline_follows_the_timeout_rule(tmp_path, generator_loop, rule) -> None:
-    env, _, _ = agent_env(tmp_path, SLOW, lambda ctx: "1", timeout_s=0.3, on_timeout=rule, timeout_reward=-1.0)
+    env, _, _ = agent_env(tmp_path, SLOW, lambda ctx: "1", timeout_s=1.0, on_timeout=rule, timeout_reward=-1.0)
     try:
         if rule == "drop_group":
             with pytest.raises(DropGroup) as info:
