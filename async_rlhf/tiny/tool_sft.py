@@ -58,8 +58,11 @@ TOOL_CLEAN_SHARE = 0.5
 
 def tool_settings(task_cfg: Any, seed: int = 0) -> dict[str, Any]:
     """Everything the cached tool warm start depends on; its hash names the cache directory."""
+    from async_rlhf.tiny.tool_policy import CHAT_TEMPLATE, TOOL_TOKENS  # (no torch)
+
+    template = hashlib.sha256(json.dumps([CHAT_TEMPLATE, TOOL_TOKENS]).encode()).hexdigest()[:12]
     return {
-        "format_version": TOOL_FORMAT_VERSION, "task": "calculator", "digits": task_cfg.digits,
+        "format_version": TOOL_FORMAT_VERSION, "task": "calculator", "digits": task_cfg.digits, "template": template,
         "heldout_size": task_cfg.heldout_size, "sft_steps": TOOL_SFT_STEPS, "sft_batch_size": SFT_BATCH_SIZE,
         "sft_lr": SFT_LR, "call_share": TOOL_CALL_SHARE, "forget_carry": TOOL_FORGET_CARRY,
         "clean_share": TOOL_CLEAN_SHARE, "seed": seed,
