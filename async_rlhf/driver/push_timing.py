@@ -357,12 +357,15 @@ def served_timeline(pushes: list[dict[str, Any]], lives: list[dict[str, float]],
             load = _containing([tuple(x) for x in logs["loads"]], t_live)
             fetched = [t for t, v in logs.get("fetches", {}).get(member, []) if v == version]
             polls = logs.get("polls", [])
-            load_start = load[0] if load else t_live
+            # a load that began before this member held the version waited inside for it (a quiet generator's
+            # does: _load_version waits on the fetch thread): its apply starts when the fetch returned
+            held_at = fetched[0] if fetched else t_start
+            load_start = max(load[0], held_at) if load else t_live
             i = _last_before([t for t, _ in polls], load_start)
             asked = polls[i][0] if i >= 0 and polls[i][0] >= t_ack - 1.0 else load_start
             step_s = step[1] - step[0] if step else 0.0
             step_end = step[1] if step else t_ack
-            apply_s = load[1] - load[0] if load else 0.0
+            apply_s = load[1] - load_start if load else 0.0
             wait_s = t_live - t_ack
             bound_s = step_s + apply_s + poll_s
             loads = [tuple(x) for x in logs["loads"]]

@@ -59,3 +59,12 @@ def test_when_a_member_held_it_and_when_its_loop_asked() -> None:
     assert not row["held"]  # 41 ms > 0 + 10 + 5: the loop's own work kept the version waiting
     summary = timeline_summary([row], [push(3, 0, 10.0)], [{"gen0": 10.041}], members=1)
     assert summary["loop_states_late"] == {"reward_and_put": 1} and summary["staged_s"] == pytest.approx(0.007)
+
+
+def test_a_load_that_waited_for_the_version_applies_from_when_it_arrived() -> None:
+    # a quiet generator calls _load_version before the push (it waits inside for the fetch): 9.8-10.02, the bytes
+    # held at 10.003, live at 10.019: the apply is 10.003-10.02, not the 220 ms of the whole call
+    intervals = [{"steps": [], "loads": [(9.8, 10.02)], "fetches": {"gen0": [(10.003, 7)]}, "polls": []}]
+    (row,) = served_timeline([push(7, 0, 10.004, push_s=0.004)], [{"gen0": 10.019}], intervals, poll_s=0.005)
+    assert row["apply_s"] == pytest.approx(0.017) and row["staged_s"] == pytest.approx(0.003)
+    assert row["held"] and row["between_s"] == pytest.approx(-0.001)  # held by the member before the last ack
