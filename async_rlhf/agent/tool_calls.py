@@ -11,6 +11,10 @@ ChatCompletionRequest)``: the maintained public API its OpenAI server uses), bui
 that needs it: importing ``vllm.tool_parsers`` takes seconds, and a hermes completion without ``<tool_call>`` is
 answered without it (the same first check vLLM's hermes parser makes). No engine is needed.
 
+Names are vLLM's (``vllm serve --tool-call-parser``), plus the project's own parsers in ``PLUGINS``, registered with
+vLLM's ToolParserManager on first use like a ``--tool-parser-plugin``: ``tiny_calculator``, the tiny tool policy's
+``<tool_call>12+34</tool_call>`` (``async_rlhf.agent.tiny_tool_parser``).
+
 Never an exception for what the model wrote: a completion whose tool call does not parse (bad JSON, no name, no
 ``arguments``, arguments that are not a JSON object) comes back whole as plain content with ``error=True``. vLLM's
 parser logs a traceback for each such completion; that one record is dropped while it parses here (an RL run
