@@ -5,11 +5,15 @@ fleet's figures, taken before its actors stop.
 
 Runs inside node 0's network namespace (bench/scale.py and tests/cluster start it there). It does what
 launch/cluster.py's run does up to the end of training (async_rlhf/driver/runner.py): resolve the policy, start
-the Cluster (which prints the start-up progress lines), train(); then async_rlhf/driver/fleet_figures.py measures
-the raw broadcast, the learners' all-reduce and each role's peak memory while every actor is still up. Writes
+the Cluster (which prints the start-up progress lines), train() with a raw broadcast of the push's bytes during it
+(async_rlhf/driver/push_timing.py, which also logs each generator's engine steps, loads and fetches); then, every
+actor still up and idle: raw broadcasts and pushes in alternating blocks (push against raw on the quiet fleet), the
+learners' all-reduce (async_rlhf/driver/fleet_figures.py), each role's peak RSS and PSS. Writes
 ``--out``: the row (``startup_s`` and ``startup_s_by_phase`` measured as summary.json's: from before the policy is
 resolved until every role started and the push group formed), where every role ran, the generators' final
-versions and what keeps "every version reached every generator" from holding (nothing, when it holds).
+versions and what keeps "every version reached every generator" from holding (nothing, when it holds); and
+``<run dir>/push_timeline.json``: per push and generator, quiet and during training, from the push's start to the
+generator serving it (served_timeline's rows).
 """
 
 from __future__ import annotations
@@ -111,7 +115,8 @@ def main() -> None:
     p.add_argument("--learners", type=int, required=True)
     p.add_argument("--run-dir", required=True, type=Path)
     p.add_argument("--out", required=True, type=Path)
-    p.add_argument("--reps", type=int, default=5, help="repetitions of the raw broadcast and of the all-reduce")
+    p.add_argument("--reps", type=int, default=5, help="repetitions of the raw broadcast (during training, and per "
+                   "quiet round), the quiet push (per round; 2 rounds) and the all-reduce")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args()
 
