@@ -5,6 +5,7 @@ protocol the held-out figure plays."""
 from __future__ import annotations
 
 import random
+import sys
 from typing import Any
 
 import pytest
@@ -65,9 +66,9 @@ def test_parser_reads_the_compact_call_through_vllms_api(tok: Any) -> None:
     parsed = parser.parse(call_text("12+34"), [CALCULATOR])
     assert parsed.tool_calls == [("calculator", '{"expression": "12+34"}')] and parsed.content is None
     assert not parsed.error
-    from vllm.tool_parsers import ToolParserManager
-
-    assert "tiny_calculator" in ToolParserManager.list_registered()
+    # a subclass of vLLM's ToolParser, registered with its ToolParserManager (the --tool-parser-plugin mechanism)
+    assert "ToolParser" in [c.__name__ for c in type(parser._parser).__mro__]
+    assert "tiny_calculator" in sys.modules["vllm.tool_parsers"].ToolParserManager.list_registered()
     assert parser.parse("046", [CALCULATOR]).tool_calls == []
     assert not parser.parse("046", [CALCULATOR]).error
 
