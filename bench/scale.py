@@ -35,7 +35,9 @@ Per row (``--out`` JSON ``{"machine", "commit", "rows": [...], "target", "holds"
     rss_mb_learner       engine runs inside it), likewise of a learner rank; rss_mb: every role's, rss_mb_sum: all
     pss_mb_generator     the same processes' proportional set size after training (shared pages counted once over
     pss_mb_learner       the machine; the kernel keeps no peak of it); pss_mb_sum: every role's
-    machine_used_mb      the machine's peak used memory during the row (total - available, Ray's processes too)
+    machine_used_mb      the machine's peak used memory during the row (total - available, Ray's processes too), less
+                         what it used before the namespace cluster was built (other jobs on a shared machine);
+                         machine_used_mb_peak: the peak itself, machine_used_mb_before: that baseline
     plan_mb              the memory plan's estimate of the fleet (async_rlhf/driver/memory_plan.py)
     versions_complete    every push acknowledged by every generator (an acknowledgement means the member holds that
                          version byte-exact) and every generator ending on the final version
@@ -77,6 +79,12 @@ def machine_memory_mb() -> float:
     import psutil
 
     return psutil.virtual_memory().total / 1e6
+
+
+def available_mb() -> float:
+    import psutil
+
+    return psutil.virtual_memory().available / 1e6
 
 
 class UsedMemory:
@@ -133,8 +141,8 @@ def phase_line(row: dict[str, Any]) -> str:
 def step_line(row: dict[str, Any]) -> str:
     """Where a row's training step went: the learner's mean seconds per phase (the first step left out)."""
     t = row.get("step_time_s", {})
-    parts = [f"{name} {t[name]:.2f}" for name in ("wait_data", "forward_backward", "optimizer", "push_wait", "push",
-                                                  "ack") if t.get(name, 0.0) >= 0.005]
+    parts = [f"{name} {t[name]:.2f}" for name in ("wait_data", "forward_backward", "optimizer", "metrics", "push_wait",
+                                                  "push", "ack", "checkpoint") if t.get(name, 0.0) >= 0.005]
     return f"  {row['generators']}+{row['learners']} step {t.get('step', 0.0):.2f} s: " + ", ".join(parts)
 
 
@@ -199,14 +207,14 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str = "") -> None:
     twin.legend(loc="center right")
     ax.set_title("start-up and training rate")
     ax = axes[1]
-    phases = ("wait_data", "forward_backward", "optimizer", "push_wait")
+    phases = ("wait_data", "forward_backward", "optimizer", "metrics", "push_wait", "checkpoint")
     bottom = [0.0] * len(rows)
     for name in phases:
         values = [r.get("step_time_s", {}).get(name, 0.0) for r in rows]
         ax.bar([str(n) for n in ns], values, bottom=bottom, label=name)
         bottom = [b + v for b, v in zip(bottom, values)]
-    ax.plot([str(n) for n in ns], [r.get("step_time_s", {}).get("step", 0.0) for r in rows], "k_", markersize=20,
-            label="whole step")
+    other = [max(r.get("step_time_s", {}).get("step", 0.0) - b, 0.0) for r, b in zip(rows, bottom)]
+    ax.bar([str(n) for n in ns], other, bottom=bottom, label="the rest of the step", color="lightgrey")
     ax.set_xlabel("N")
     ax.set_ylabel("seconds (learner rank 0, mean)")
     ax.legend(fontsize=8)
@@ -234,7 +242,7 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str = "") -> None:
             label="memory plan")
     ax.set_xlabel("N")
     ax.set_ylabel("MB")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left")
     ax.set_title("memory")
     for ax in (axes[0], axes[2], axes[3]):
         ax.set_xticks(ns)
@@ -245,7 +253,8 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str = "") -> None:
     plt.close(fig)
 
 
-def run_row(nodes: Any, n: int, steps: int, reps: int, work: Path, overrides: list[str]) -> dict[str, Any]:
+def run_row(nodes: Any, n: int, steps: int, reps: int, work: Path, overrides: list[str],
+            used_before_mb: float = 0.0) -> dict[str, Any]:
     from nodes import PY
 
     row_dir = work / f"n{n}"
@@ -261,8 +270,8 @@ def run_row(nodes: Any, n: int, steps: int, reps: int, work: Path, overrides: li
     if code != 0 or not out.is_file():
         tail = "\n".join(output.splitlines()[-40:])
         raise RuntimeError(f"the {n}+{n} row failed (exit {code}); the end of {row_dir / 'job.log'}:\n{tail}")
-    return {**json.loads(out.read_text()), "machine_used_mb": round(used.peak_mb),
-            "machine_used_mb_peak": round(used.peak_mb)}
+    return {**json.loads(out.read_text()), "machine_used_mb": round(used.peak_mb - used_before_mb),
+            "machine_used_mb_peak": round(used.peak_mb), "machine_used_mb_before": round(used_before_mb)}
 
 
 def ns_for(quick: bool, full: bool) -> list[int]:
@@ -303,12 +312,13 @@ def main(argv: list[str] | None = None) -> int:
         out.write_text(json.dumps(result, indent=2))
         return result
 
+    used_before = machine_memory_mb() - available_mb()
     t_cluster = time.time()
     with namespace_cluster(args.nodes, work / "ray_logs", cpus=args.cpus_per_node, subnet_base=150) as nodes:
         print(f"{args.nodes} namespace nodes with Ray up in {time.time() - t_cluster:.0f} s (head {nodes.address})",
               flush=True)
         for n in ns:
-            rows.append(run_row(nodes, n, args.steps, args.reps, work, args.overrides))
+            rows.append(run_row(nodes, n, args.steps, args.reps, work, args.overrides, used_before))
             write()  # partial results
     finish(machine)
     result = write()
