@@ -1,4 +1,5 @@
-"""The largest fleet this machine holds, rehearsed across network-namespace nodes (issue 32).
+"""The largest fleet this machine holds, rehearsed across network-namespace nodes (issue 32), and how every cost
+grows with N: start-up, step, push against raw like with like, all-reduce, memory per role (issue 46).
 
     flock /tmp/stack.lock python bench/scale.py [--quick | --full] [--ns 1,2,4,8] [--nodes 4] [--steps 8] --out FILE
                                                 [--plot docs/scale.png]
@@ -9,7 +10,8 @@ for each N runs bench/scale_job.py on node 0: the RL loop with N generators and 
 nodes (``resources.placement=spread``), ``--steps`` steps of the tiny model with 54 MB of KV cache per engine.
 Needs root and iproute2, like tests/cluster. The driver's start-up progress lines are printed as the job runs.
 
-Per row (``--out`` JSON ``{"machine", "commit", "rows": [...], "target", "holds"}``, bench/machine.py):
+Per row (``--out`` JSON ``{"machine", "commit", "rows": [...], "target", "holds", "push_target", "push_holds"}``,
+bench/machine.py):
 
     startup_s            from before the policy is resolved until every role started and the push group formed
                          (summary.json's startup_s); startup_s_by_phase: per role the slowest rank's seconds per phase
