@@ -176,3 +176,18 @@ def test_play_greedy_calls_the_tool_and_answers_with_its_result(tok: Any) -> Non
               "10+10=": call_text("10+11") + "</s>" + response_text("21") + "021</s>"}  # a miscopied call
     figures = play_greedy(ScriptedModel(tok, script), tok, problems)
     assert figures == {"accuracy": pytest.approx(1 / 3), "tool_share": pytest.approx(2 / 3)}
+
+
+def test_the_calculator_task_starts_from_the_tool_policys_build(tmp_path: Any) -> None:
+    from async_rlhf.config import Config
+    from async_rlhf.policy_source import resolve_model
+    from async_rlhf.tiny.cache import INFO_FILE
+    from async_rlhf.tiny.tool_sft import tool_policy_dir
+
+    cfg = Config()
+    cfg.task.name, cfg.agent.task = "agent", "calculator"
+    build = tool_policy_dir(tmp_path, cfg.task, seed=cfg.train.seed)
+    build.mkdir()
+    (build / INFO_FILE).write_text("{}")  # a finished build: found without building or importing torch
+    assert resolve_model(cfg, tmp_path) == str(build)
+    assert build.name.startswith("tiny-tool-") and build != tool_policy_dir(tmp_path, cfg.task, seed=1)
