@@ -11,8 +11,9 @@ of the agent runs (``agent.task=calculator``, issue 45):
     a whole tool episode:  12+34=<tool_call>12+34</tool_call></s><tool_response>46</tool_response>046</s>
 
 Arguments are rendered from the object (as vLLM and the agent ledger give them to a template; a JSON text is
-written as it is). The template is append-only (a history renders as a prefix of the history + any tail) and adds no generation
-prompt, so the agent ledger splices only what is new and a one-message episode renders the task's own prompt.
+written as it is). The template is append-only (a history renders as a prefix of the history + any tail) and adds
+no generation prompt, so the agent ledger splices only what is new and a one-message episode renders the task's
+own prompt.
 A call's arguments are the JSON object ``{"expression": "12+34"}``; the model writes only the expression (a JSON
 call would not fit the 64-token window): ``async_rlhf.agent.tiny_tool_parser`` reads it with vLLM's tool-parser
 API. The markers are added tokens that are not "special": a decode that skips special tokens keeps them, so the
