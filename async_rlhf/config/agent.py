@@ -3,7 +3,7 @@ endpoint (``task.name=agent``; async_rlhf/agent/, docs/agents.md)."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from async_rlhf.config.fields import AboveZero, Count, Section
 
@@ -18,8 +18,9 @@ class AgentConfig(Section):
     """The task whose prompts the episodes start from, whose data the agent gets, and whose held-out problems measure
     accuracy (greedy, the first turn: the prompt the plain template renders is the task's own) | calculator: the
     tool-use variant of addition, whose policy (the tiny tool policy, with its chat template) may call a calculator
-    tool (async_rlhf/env/calculator.py; run it with agent.tool_parser=tiny_calculator, generator.max_new_tokens=10
-    and agent.entry=async_rlhf.agent.examples.calculator:run); its held-out accuracy plays the tool protocol."""
+    tool (async_rlhf/env/calculator.py); unless set, it takes agent.entry=async_rlhf.agent.examples.calculator:run,
+    agent.tool_parser=tiny_calculator and generator.max_new_tokens=10 (a call turn is 8 tokens). Its held-out accuracy
+    plays the tool protocol."""
     episodes_per_generator: Count = 0
     """Agent episodes running at once on one generator; 0: generator.groups_in_flight x train.group_size."""
     timeout_s: AboveZero = 120.0
@@ -36,3 +37,18 @@ class AgentConfig(Section):
     a .jinja file."""
     tool_parser: str = "hermes"
     """vLLM's tool-call parser for the model's format (``vllm serve --tool-call-parser`` names)."""
+
+
+CALCULATOR_DEFAULTS = {("agent", "entry"): "async_rlhf.agent.examples.calculator:run",
+                       ("agent", "tool_parser"): "tiny_calculator", ("generator", "max_new_tokens"): 10}
+"""What ``task.name=agent agent.task=calculator`` needs on the tiny tool policy, where the user set nothing else."""
+
+
+def apply_agent_defaults(cfg: Any) -> None:
+    """The calculator task's settings for the keys the user left alone (so its command is just the task's name)."""
+    if cfg.task.name != "agent" or cfg.agent.task != "calculator":
+        return
+    for (section, key), value in CALCULATOR_DEFAULTS.items():
+        sec = getattr(cfg, section)
+        if key not in sec.model_fields_set:
+            setattr(sec, key, value)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from async_rlhf.config.agent import apply_agent_defaults
 from async_rlhf.config.checks import check_algorithm, check_env, check_lora, parse_report_to, parse_reward_sources
 from async_rlhf.config.errors import ConfigError
 from async_rlhf.config.fields import check_fields
@@ -36,6 +37,7 @@ def validate(cfg: Config) -> Config:
                                                                   cfg.prompts.chat_template.lower())
     check_fields(cfg)  # each key against the rule on its field (fields.py, sections.py, roles.py)
     resolve_model_limits(cfg)  # a --model of the user's own: its window and completion length, not the tiny's
+    apply_agent_defaults(cfg)  # agent.task=calculator: its agent, tool parser and completion length
     if cfg.train.batch_size % cfg.learners:
         raise ConfigError(
             f"train.batch_size ({cfg.train.batch_size}) must be a multiple of --learners ({cfg.learners}) "

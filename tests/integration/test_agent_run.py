@@ -75,8 +75,7 @@ def test_agent_counters_add_up(agent_run: dict) -> None:
 def calculator_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
     run_dir = tmp_path_factory.mktemp("calculator") / "run"
     args = [sys.executable, str(ROOT / "launch" / "cluster.py"), "--generators", "2", "--learners", "1",
-            "task.name=agent", "agent.task=calculator", "agent.entry=async_rlhf.agent.examples.calculator:run",
-            "agent.tool_parser=tiny_calculator", "generator.max_new_tokens=10", f"train.steps={STEPS}",
+            "task.name=agent", "agent.task=calculator", f"train.steps={STEPS}",  # the task brings its agent, parser
             f"run.dir={run_dir}", "generator.eval_every=10"]
     # from the repository: the tiny tool policy's warm start (runs/cache, built by `make setup`) is the policy
     proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=900)

@@ -184,3 +184,16 @@ def test_episode_deadline_follows_the_timeout_rule(tmp_path, generator_loop, rul
 def test_entry_must_be_a_coroutine_function(tmp_path) -> None:
     with pytest.raises(ValueError, match="must be a coroutine function"):
         agent_env(tmp_path, "def run(task, client):\n    return 1.0\n", lambda ctx: "1")
+
+
+def test_calculator_task_brings_its_agent_parser_and_turn_length_unless_set() -> None:
+    from async_rlhf.config import load_config
+
+    cfg = load_config(None, ["task.name=agent", "agent.task=calculator"])
+    assert (cfg.agent.entry, cfg.agent.tool_parser, cfg.generator.max_new_tokens) == (
+        "async_rlhf.agent.examples.calculator:run", "tiny_calculator", 10)
+    cfg = load_config(None, ["task.name=agent", "agent.task=calculator", "generator.max_new_tokens=12",
+                             "agent.entry=my.py:run"])
+    assert (cfg.agent.entry, cfg.generator.max_new_tokens) == ("my.py:run", 12)
+    plain = load_config(None, ["task.name=agent"])
+    assert (plain.agent.tool_parser, plain.generator.max_new_tokens) == ("hermes", 6)

@@ -1,9 +1,9 @@
 """The shipped tool-use agent (``agent.task=calculator``): the stock ``openai`` SDK, a calculator tool the model may
 call, its result sent back as a ``tool`` message, the final answer scored.
 
-    launch/cluster.py --generators 2 --learners 1 task.name=agent agent.task=calculator \\
-        agent.entry=async_rlhf.agent.examples.calculator:run agent.tool_parser=tiny_calculator \\
-        generator.max_new_tokens=10
+    launch/cluster.py --generators 2 --learners 1 task.name=agent agent.task=calculator
+
+(the task brings this agent, ``agent.tool_parser=tiny_calculator`` and ``generator.max_new_tokens=10``).
 
 The policy sees the tool's definition through its chat template (the tiny tool policy's ignores it: its character
 vocabulary cannot spell one) and writes a call in its own format, which the endpoint's tool parser turns into an
