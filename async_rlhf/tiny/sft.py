@@ -76,6 +76,16 @@ def _sft_batch(
     return ids, attn, loss_mask
 
 
+def sft_start(base_dir: Path, lr: float, steps: int) -> tuple[PreTrainedModel, Any, Any]:
+    """A directory's model (float32, training mode), its AdamW and the warm-up/decay schedule of a ``steps``-step
+    SFT: what both warm starts (this module's and ``tool_sft.py``'s) train with."""
+    model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, steps))
+    return model, opt, sched
+
+
 def _lr_factor(step: int, steps: int) -> float:
     """Warmup (20 steps), constant, then linear decay to 0 over the last 30%.
 
@@ -118,10 +128,7 @@ def sft_warm_start(
     """
     base_dir, out_dir = Path(base_dir), Path(out_dir)
     tok = load_tokenizer(base_dir)
-    model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, steps))
+    model, opt, sched = sft_start(base_dir, lr, steps)
     stream = task.train_problems(seed)
     teacher = random.Random(f"sloppy-teacher-{seed}")
     sloppy = getattr(task, "sloppy_answer", None) or task.carry_free_answer  # the long-tail task names its own

@@ -124,18 +124,14 @@ def tool_sft(base_dir: Path, out_dir: Path, task: Any, steps: int = TOOL_SFT_STE
     figures (held-out greedy accuracy and tool share by :func:`play_greedy`, and sampled)."""
     import torch
     import torch.nn.functional as F
-    from transformers import AutoModelForCausalLM
 
-    from async_rlhf.tiny.sft import _lr_factor
+    from async_rlhf.tiny.sft import sft_start
     from async_rlhf.tiny.tokenizer import save_tokenizer
     from async_rlhf.tiny.tool_policy import play_greedy
     from async_rlhf.tokenizer import load_tokenizer
 
     tok = load_tokenizer(base_dir)
-    model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=SFT_LR, betas=(0.9, 0.98), weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, steps))
+    model, opt, sched = sft_start(base_dir, SFT_LR, steps)
     stream = task.train_problems(seed)
     rng = random.Random(f"tool-teacher-{seed}")
     t0 = time.perf_counter()
