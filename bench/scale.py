@@ -276,6 +276,12 @@ def run_row(nodes: Any, n: int, steps: int, reps: int, work: Path, overrides: li
             "machine_used_mb_peak": round(used.peak_mb), "machine_used_mb_before": round(used_before_mb)}
 
 
+def cpus_per_node(n: int, nodes: int) -> int:
+    """Logical CPUs per Ray node for N generators and N learner ranks of one CPU each, the buffer and a spare,
+    spread over ``nodes``: at least 6 (Ray's accounting only; the roles share the machine's cores anyway)."""
+    return max(6, -(-(2 * n + 2) // nodes))
+
+
 def ns_for(quick: bool, full: bool) -> list[int]:
     return [1, 2, 4] if quick else [1, 2, 4, 8, 16] if full else [1, 2, 4, 8]
 
@@ -287,7 +293,8 @@ def main(argv: list[str] | None = None) -> int:
     size.add_argument("--full", action="store_true", help="N in 1, 2, 4, 8, 16 (make scale)")
     ap.add_argument("--ns", default="", help="comma-separated N (default 1,2,4,8; --quick 1,2,4; --full 1,2,4,8,16)")
     ap.add_argument("--nodes", type=int, default=4, help="namespace nodes of the cluster")
-    ap.add_argument("--cpus-per-node", type=int, default=6, help="logical CPUs each Ray node offers")
+    ap.add_argument("--cpus-per-node", type=int, default=0,
+                    help="logical CPUs each Ray node offers (default: enough for the largest row, at least 6)")
     ap.add_argument("--steps", type=int, default=8, help="learner steps per row")
     ap.add_argument("--reps", type=int, default=5, help="repetitions of the raw broadcast and the all-reduce")
     ap.add_argument("--out", required=True, type=Path)
@@ -316,7 +323,8 @@ def main(argv: list[str] | None = None) -> int:
 
     used_before = machine_memory_mb() - available_mb()
     t_cluster = time.time()
-    with namespace_cluster(args.nodes, work / "ray_logs", cpus=args.cpus_per_node, subnet_base=150) as nodes:
+    cpus = args.cpus_per_node or cpus_per_node(max(ns), args.nodes)
+    with namespace_cluster(args.nodes, work / "ray_logs", cpus=cpus, subnet_base=150) as nodes:
         print(f"{args.nodes} namespace nodes with Ray up in {time.time() - t_cluster:.0f} s (head {nodes.address})",
               flush=True)
         for n in ns:

@@ -91,3 +91,4 @@ def test_full_adds_sixteen(scale: Any) -> None:
     assert scale.ns_for(quick=True, full=False) == [1, 2, 4]
     assert scale.ns_for(quick=False, full=False) == [1, 2, 4, 8]
     assert scale.ns_for(quick=False, full=True) == [1, 2, 4, 8, 16]
+    assert scale.cpus_per_node(8, 4) == 6 and scale.cpus_per_node(16, 4) == 9  # 32 roles + 2 on 4 nodes
