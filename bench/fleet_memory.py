@@ -5,7 +5,9 @@
 Runs ``launch/cluster.py --generators N --learners M run.overwrite=true run.dir=... key=value ...`` (``train.steps=5``
 unless given) and reads, every ``--every`` seconds until it ends:
 
-    machine_used_mb   MemTotal - MemAvailable, less its value before the launch (the fleet's own)
+    machine_used_mb   MemTotal - MemAvailable less the anonymous PSS of every process outside the run, less the same
+                      before the launch and after the run (their mean): the run's own (other work on a shared
+                      machine moves the raw figure, machine_used_raw_mb, by hundreds of MB)
     pss               the proportional set size of each process of the run (the launcher's descendants and any new
                       process bench/process_cpu.py's classify names: Ray's, the fork servers and their children),
                       by kind (engine = a generator, learner, buffer, ray, driver, forkserver, other): pages shared
@@ -61,17 +63,28 @@ def fleet_pids(root: int, before: set[int]) -> list[int]:
 def sample(root: int, before: set[int]) -> dict[str, Any]:
     """One reading: PSS of every process of the run (pid -> (kind, MB)) and the machine's used memory."""
     procs, parts = {}, {"anon": 0.0, "file": 0.0, "shmem": 0.0}
-    for p in fleet_pids(root, before):
+    fleet = fleet_pids(root, before)
+    for p in fleet:
         split = pss_split_mb(p)
         procs[p] = (process_kind(p), split["pss"])
         for key in parts:
             parts[key] += split[key]
-    return {"time": time.time(), "machine_used_mb": machine_used_mb(), "procs": procs, "parts": parts}
+    return {"time": time.time(), "machine_used_mb": machine_used_mb(), "procs": procs, "parts": parts,
+            "others_anon_mb": others_anon_mb(set(fleet))}
 
 
-def summarise(readings: list[dict[str, Any]], baseline_mb: float) -> dict[str, Any]:
-    """The peaks over ``readings``: machine used (less ``baseline_mb``), summed PSS and its split by kind at that
-    reading, and the largest single generator (``engine``) and learner rank over the whole run."""
+def others_anon_mb(fleet: set[int]) -> float:
+    """Anonymous PSS of every process outside the run (other people's work on a shared machine): what the
+    machine's used memory moved by that the run did not move."""
+    pids = [int(e.name) for e in Path("/proc").iterdir() if e.name.isdigit()]
+    return sum(pss_split_mb(p)["anon"] for p in pids if p not in fleet)
+
+
+def summarise(readings: list[dict[str, Any]], baseline_mb: float, after_mb: float | None = None) -> dict[str, Any]:
+    """The peaks over ``readings``: machine used (less the mean of ``baseline_mb`` and ``after_mb``, the machine
+    without the run before and after it), summed PSS and its split by kind at that reading, and the largest single
+    generator (``engine``) and learner rank over the whole run."""
+    after_mb = baseline_mb if after_mb is None else after_mb
     sums = [sum(mb for _, mb in r["procs"].values()) for r in readings]
     at = max(range(len(readings)), key=sums.__getitem__)
     by_kind: dict[str, float] = {}
@@ -85,11 +98,39 @@ def summarise(readings: list[dict[str, Any]], baseline_mb: float) -> dict[str, A
         return round(max((mb for r in readings for k, mb in r["procs"].values() if k == kind), default=0.0), 1)
 
     used = max(r["machine_used_mb"] for r in readings)
-    return {"machine_used_mb": round(used - baseline_mb, 1), "machine_used_abs_mb": round(used, 1),
-            "baseline_mb": round(baseline_mb, 1), "pss_sum_mb": round(sums[at], 1), "pss_mb_by_kind": by_kind,
-            "processes_by_kind": counts, "pss_parts_mb": {k: round(v, 1) for k, v in readings[at]["parts"].items()},
+    own = max(r["machine_used_mb"] - r["others_anon_mb"] for r in readings)
+    raw = used - readings[0]["baseline_used_mb"]
+    return {"machine_used_mb": round(own - (baseline_mb + after_mb) / 2, 1), "machine_used_raw_mb": round(raw, 1),
+            "machine_used_abs_mb": round(used, 1), "baseline_mb": round(baseline_mb, 1),
+            "baseline_after_mb": round(after_mb, 1),
+            "pss_sum_mb": round(sums[at], 1), "pss_mb_by_kind": by_kind, "processes_by_kind": counts,
+            "pss_parts_mb": {k: round(v, 1) for k, v in readings[at]["parts"].items()},
             "pss_mb_generator": largest("engine"), "pss_mb_learner": largest("learner"),
             "readings": len(readings)}
+
+
+def run_checks(run_dir: Path, generators: int) -> dict[str, Any]:
+    """What the run itself says: steps, held-out accuracy at the start and the end, whether every push but the last
+    (whose figures no step's record carries) was acknowledged by all ``generators`` with none dropped, and the
+    prompts trained against the distinct ones (data_ledger.jsonl: each prompt trained once)."""
+    out: dict[str, Any] = {}
+    summary = run_dir / "summary.json"
+    if summary.is_file():
+        s = json.loads(summary.read_text())
+        out.update({k: s.get(k) for k in ("steps", "accuracy_start", "accuracy_end", "startup_s", "final_version")})
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.is_file():
+        records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+        pushes = [r for r in records if "sync/version" in r]
+        out["pushes_to_all"] = sum(1 for r in pushes if int(r.get("sync/members", 0)) == generators
+                                   and not float(r.get("sync/dropped", 0.0)))
+        out["pushes_recorded"] = len(pushes)
+    ledger = run_dir / "data_ledger.jsonl"
+    if ledger.is_file():
+        keys = [k for line in ledger.read_text().splitlines() if line.strip()
+                for k in json.loads(line).get("prompt_keys", [])]
+        out["prompts_trained"], out["prompts_distinct"] = len(keys), len(set(keys))
+    return out
 
 
 def plan_mb(generators: int, learners: int, overrides: list[str]) -> dict[str, Any]:
@@ -117,7 +158,8 @@ def main() -> None:
         overrides.append("train.steps=5")
     plan = plan_mb(args.generators, args.learners, overrides)
     before = {int(e.name) for e in Path("/proc").iterdir() if e.name.isdigit()}
-    baseline = machine_used_mb()
+    raw_baseline = machine_used_mb()
+    baseline = raw_baseline - others_anon_mb(set())
     cmd = [sys.executable, str(ROOT / "launch" / "cluster.py"), "--generators", str(args.generators), "--learners",
            str(args.learners), "run.overwrite=true", f"run.dir={args.run_dir}", *overrides]
     t0 = time.time()
@@ -129,7 +171,7 @@ def main() -> None:
         readings = []
         try:
             while proc.poll() is None:
-                readings.append(sample(proc.pid, before))
+                readings.append({**sample(proc.pid, before), "baseline_used_mb": raw_baseline})
                 if time.time() - t0 > args.timeout:
                     os.killpg(proc.pid, 15)
                     time.sleep(10)
@@ -140,15 +182,13 @@ def main() -> None:
             if proc.poll() is None:
                 os.killpg(proc.pid, 9)
     rc = proc.wait()
+    time.sleep(5)  # the run's processes gone: the machine's used memory without them, once more
+    after = machine_used_mb() - others_anon_mb(set())
     row = {"generators": args.generators, "learners": args.learners, "rc": rc, "wall_s": round(time.time() - t0, 1),
-           "overrides": overrides, **summarise(readings, baseline), **plan}
+           "overrides": overrides, **summarise(readings, baseline, after), **plan}
     for key in ("machine_used_mb", "pss_sum_mb"):
         row[f"plan_error_{key}"] = round(row["plan_mb"] / row[key] - 1, 3) if row[key] else None
-    summary = args.run_dir / "summary.json"
-    if summary.is_file():
-        s = json.loads(summary.read_text())
-        row["summary"] = {k: s[k] for k in ("steps", "heldout_accuracy_start", "heldout_accuracy_end",
-                                            "final_accuracy", "initial_accuracy") if k in s}
+    row.update(run_checks(args.run_dir, args.generators))
     print(json.dumps({k: v for k, v in row.items() if k != "readings"}, indent=1), flush=True)
     if args.out:
         args.out.write_text(json.dumps(row, indent=1))

@@ -10,15 +10,21 @@
                             micro-batch x layers x hidden x bytes x a factor, and the logits)
     fixed                   Ray's processes, the driver, the buffer actor (and the fork servers)
 
-The process figures are proportional set sizes (PSS: a page shared by k processes counts 1/k in each), measured
-here with bench/fleet_memory.py (tiny model, 5 steps, docs/hardware.md). Forked roles (``run.fork_workers`` on a
-CPU run, the default) start as children of a fork server that has imported torch, vLLM and DeepSpeed, and share
-those pages: a generator costs ~0.27 GB of its own beside its KV cache and a learner rank ~0.15 GB, over a fixed
-~1.75 GB (Ray ~0.6, the fork servers' imports ~0.4, the driver ~0.25, buffer and start-up board ~0.15, and the
-first pair's share of the imported pages); summed PSS of 1+1 .. 8+8 reads 2.24, 2.66, 3.55, 5.42 GB. A role that
-imports for itself (GPU runs, ``run.fork_workers=false``) holds its own copy: ~0.9 GB a generator, ~0.6 GB a
-learner rank (resident, measured before the fork servers), over ~1.0 GB. A fleet whose estimate exceeds the
-node's memory is refused before anything starts, naming the largest one that fits.
+The process figures are fitted to what bench/fleet_memory.py measured here (tiny model, defaults, 5-10 steps;
+docs/hardware.md): the peak of the summed proportional set size (PSS: a page shared by k processes counts 1/k in
+each, so what forked roles share counts once) and of the machine's used memory (MemTotal - MemAvailable; it leaves
+out the ~0.47 GB of mapped library pages that PSS counts, the page cache the kernel may drop). Forked roles
+(``run.fork_workers`` on a CPU run, the default) start as children of a fork server that has imported torch, vLLM
+and DeepSpeed and share those pages: a generator costs ~0.27 GB of its own beside its KV cache and weights, a
+learner rank ~0.15 GB beside its state, over a fixed ~1.6 GB (Ray 0.4-0.8, the fork servers 0.3-0.5, the driver
+0.25, the buffer and the start-up board 0.15). Summed PSS and machine used, GB, against the plan:
+
+    1+1 2.04 2.05 plan 2.06 | 2+2 2.62 2.15 plan 2.51 | 4+4 3.57 3.11 plan 3.42 | 8+8 5.34 4.87 plan 5.24
+    16+16 8.89 8.59 plan 8.88 | 8+1 4.32 3.79 plan 4.19 | 1+8 3.15 2.87 plan 3.11
+
+A role that imports for itself (GPU runs, ``run.fork_workers=false``) holds its own copy: ~0.9 GB a generator,
+~0.6 GB a learner rank (resident, measured before the fork servers), over ~1.0 GB. A fleet whose estimate exceeds
+the node's memory is refused before anything starts, naming the largest one that fits.
 """
 
 from __future__ import annotations
@@ -43,7 +49,7 @@ GENERATOR_FORKED_GB = 0.27
 the imported pages it writes to (copied on write)."""
 LEARNER_FORKED_GB = 0.15
 """A forked learner rank's own pages (PSS) beside its model state and activations."""
-FORKED_FIXED_GB = 1.75
+FORKED_FIXED_GB = 1.6
 """Ray, the driver, the buffer and the fork servers with their imported pages, with forked roles."""
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 

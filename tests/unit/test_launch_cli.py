@@ -41,7 +41,7 @@ def _classifier_dir(tmp_path: Path) -> Path:
         (("--resume", "/nonexistent/run"), "no such directory"),
         (("resources.generator_gpus=1",), "more resources than the cluster has (GPU: the plan needs 2"),
         (("run.num_cpus=2", "--generators", "3"), "CPU: the plan needs 4, this machine has 2"),
-        (("--generators", "500", "--learners", "2"), "500 generator(s) and 2 learner rank(s) need about 154.4 GB"),
+        (("--generators", "500", "--learners", "2"), "500 generator(s) and 2 learner rank(s) need about 154.3 GB"),
         (("scale", "--run-dir", "{not_ckpt}", "--generators", "2"), "no run with a control endpoint"),
         (("scale", "--run-dir", "{not_ckpt}", "--generators", "0"), "--generators must be at least 1"),
         (("prompts.chat_template=true",), "prompts.chat_template=true but the tokenizer of the tiny model has no chat"),
@@ -79,7 +79,7 @@ def test_dry_run_prints_the_plan_for_16_and_16_without_starting_anything(tmp_pat
     assert sum(r["totals"]["CPU"] for r in plan["roles"]) == plan["totals"]["CPU"]
     total_row = next(line for line in proc.stdout.splitlines() if line.startswith("total")).split()
     assert total_row[1:] == ["33", "81", "0"]
-    assert plan["memory"]["total_gb"] == pytest.approx(16 * (0.27 + 0.0347) + 16 * 0.15 + 1.75, abs=0.01)
+    assert plan["memory"]["total_gb"] == pytest.approx(16 * (0.27 + 0.0347) + 16 * 0.15 + 1.6, abs=0.01)
     assert "fits this machine's memory" in proc.stdout
     assert not (tmp_path / "runs").exists(), "a dry run must not write a run directory"
 
