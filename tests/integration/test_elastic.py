@@ -5,6 +5,10 @@
                    the prompts it had in flight
     re-issued prompts trained -> scale 2 -> 1 (generator 1 finishes its groups, then leaves)
     3 more steps   stop (learners end at a common step, with a checkpoint)
+
+The episodes are played by an agent (``task.name=agent``: the shipped stock-SDK agent through each generator's
+own endpoint, issue 45), so the same run shows agent episodes surviving their generator's death: they die with its
+process, their groups were never put, and their prompts are issued again and trained once on the generators left.
 """
 
 from __future__ import annotations
@@ -78,7 +82,7 @@ def elastic_run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, 
     run_dir = tmp_path_factory.mktemp("elastic")
     cfg = load_config(None, [
         f"train.steps={MAX_STEPS}", "train.max_staleness=1", "train.batch_size=4", "train.group_size=4",
-        "generators=1", "learners=1", f"model.path={tiny_model_dir}", f"run.dir={run_dir}",
+        "generators=1", "learners=1", f"model.path={tiny_model_dir}", f"run.dir={run_dir}", "task.name=agent",
         "generator.eval_every=0", f"generator.groups_in_flight={IN_FLIGHT}", "sync.timeout_s=20",
     ])
     cluster = Cluster(cfg, str(tiny_model_dir))
@@ -149,3 +153,10 @@ def test_no_prompt_group_lost_or_trained_twice(elastic_run: dict[str, Any]) -> N
     # nothing else is missing: what is outstanding at the end is in the buffer, or was in flight at the stop
     in_flight_at_stop = {f"0:{s}" for s in ledger.outstanding.get(0, set())} - in_buffer
     assert len(in_flight_at_stop) <= IN_FLIGHT
+
+
+def test_agent_episodes_ran_after_the_restart_and_trained_exactly(elastic_run: dict[str, Any]) -> None:
+    stats = elastic_run["figures"]["generator_stats"]  # the generators at the end: the restarted generator 0
+    assert [s["gen_id"] for s in stats if s.get("agent_episodes", 0) > 0] == [0]
+    assert sum(s["agent_token_mismatch"] for s in stats) == 0
+    assert sum(s["agent_errors"] for s in stats) == 0
