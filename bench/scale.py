@@ -66,8 +66,8 @@ sys.path.insert(0, str(ROOT / "tests" / "cluster"))  # the namespace nodes of th
 
 from bench.machine import describe, finish, git_commit, machine_record, stamp  # noqa: E402
 
-TARGET = ("every row: every version reached every generator (versions_complete), and the sum of the roles' peak "
-          "resident memory within this machine's")
+TARGET = ("every row: every version reached every generator (versions_complete), and the roles' summed PSS (shared "
+          "pages once; the summed RSS peaks where no PSS was taken) within this machine's memory")
 PUSH_RATIO = 1.5
 PUSH_TARGET = (f"every row: the push within {PUSH_RATIO}x the raw broadcast of its bytes on the quiet fleet, and "
                "every generator serving each pushed version within one engine step plus the apply (plus one poll) "
@@ -119,7 +119,10 @@ class UsedMemory:
 
 
 def holds(rows: list[dict[str, Any]], memory_mb: float) -> bool:
-    return bool(rows) and all(r["versions_complete"] and r["rss_mb_sum"] <= memory_mb for r in rows)
+    """:data:`TARGET`. Summed RSS counts the pages forked roles share once per process (16 + 16: 25.7 GB of RSS
+    peaks on a 24 GB machine whose used memory peaked at 13 GB), so the summed PSS is what must fit."""
+    return bool(rows) and all(r["versions_complete"] and r.get("pss_mb_sum", r["rss_mb_sum"]) <= memory_mb
+                              for r in rows)
 
 
 def push_holds(rows: list[dict[str, Any]]) -> bool:

@@ -37,7 +37,10 @@ def row(n: int, complete: bool = True, rss_sum: float = 9000.0) -> dict[str, Any
 def test_the_target_needs_every_version_everywhere_and_the_memory_to_fit(scale: Any) -> None:
     assert scale.holds([row(1), row(2)], 24000.0)
     assert not scale.holds([row(1), row(2, complete=False)], 24000.0)
-    assert not scale.holds([row(8, rss_sum=25000.0)], 24000.0)
+    assert not scale.holds([{**row(8), "pss_mb_sum": 25000.0}], 24000.0)
+    assert scale.holds([row(8, rss_sum=25000.0)], 24000.0), "summed RSS counts shared pages again: PSS decides"
+    no_pss = {k: v for k, v in row(8, rss_sum=25000.0).items() if k != "pss_mb_sum"}
+    assert not scale.holds([no_pss], 24000.0), "without PSS the summed RSS peaks decide"
     assert not scale.holds([], 24000.0)
 
 
