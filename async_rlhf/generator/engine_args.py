@@ -10,9 +10,8 @@ Per-device defaults (``generator.*`` set to auto / 0 picks them)::
     dtype                 model.dtype                          model.dtype
     max_model_len         model.max_model_len                  model.max_model_len
     tensor_parallel_size  1                                    resources.tensor_parallel
-    KV cache              generator.kv_cache_gib: 0 (auto) sizes   gpu_memory_utilization
-                          it to what the engine can use
-                          (kv_cache_plan)
+    KV cache              what the engine can use (kv_cache_plan;  by gpu_memory_utilization
+                          generator.kv_cache_gib=0) or that GiB
     async_scheduling      off (in_flight) / vLLM's (drain)     same: see VersionClock
     logprobs_mode         processed_logprobs                   processed_logprobs
 
