@@ -6,6 +6,11 @@
     engine.py      TokenEngine: the seam to the engine (prompt ids -> sampled ids, log-probs, versions; streamed)
     episodes.py    EpisodeRegistry: episode id -> ledger, calls serialized, deadlines, idempotent retries
     endpoint.py    build_app: the OpenAI-compatible HTTP app (/s/<episode id>/v1/chat/completions; fastapi)
+    policy_engine  PolicyEngine: the TokenEngine of a generator (calls become turns of its vLLM engine loop)
+    serving.py     AgentServer: per generator, the endpoint on one thread, the user's agents on another
+    environment.py AgentEnv: a group's episodes played by the agent; ledgers -> trained samples (token-checked)
+    build.py       serve_agents: the generator's AgentEnv from the configuration (task.name=agent)
+    examples/      the shipped agents (addition, calculator: stock openai SDK)
 
 Nothing here imports transformers or vLLM at module level: the tokenizer is passed in, vLLM's parser is
 imported on the first completion that needs it. endpoint.py imports fastapi; this package's import does not.

@@ -10,11 +10,9 @@
     POST /s/{episode_id}/v1/completions        404 with the reason: the ledger records chat turns only (``plan``
                                                takes messages; a raw prompt has no template to splice into)
 
-A library over the ``TokenEngine`` seam (``engine.py``), with unit tests over a scripted engine. NOT yet served by
-the generator actor: the session that wires it into the real vLLM engine loop implements ``TokenEngine`` there
-(prompt ids in; ids, log-probs and per-token policy versions out; admission and the staleness bound as every other
-request), runs this app with uvicorn on the generator's event loop, opens each episode before handing its URL to
-the agent, routes an episode's calls to one generator, and turns closed episodes' branches into samples.
+A library over the ``TokenEngine`` seam (``engine.py``). Each generator serves it (``serving.py``: uvicorn on a thread
+of its own) over its own engine loop (``policy_engine.py``), opens each episode before its agent gets the URL, and
+turns closed episodes into samples (``environment.py``).
 
 Responses follow the OpenAI schema: ``id`` is the ledger's ``RecordedTurn.response_id``, ``choices[0].message``
 its message (content, tool calls with the ledger's ids), ``finish_reason`` (``tool_calls`` when it called tools),

@@ -67,7 +67,7 @@ Decisions:
   - **Tool calls** are parsed by vLLM's parser (``tool_calls.ToolCallParser``); a malformed call comes back as
     plain content with ``tool_parse_error=True`` and is counted, never raised.
 
-For the endpoint (later sessions): one ``EpisodeLedger`` per episode (URL path ``/s/<episode id>/v1``), on the
+For the endpoint: one ``EpisodeLedger`` per episode (URL path ``/s/<episode id>/v1``), on the
 generator that serves the episode. ``plan`` and ``record`` are synchronous and never await: call them from the
 serving event loop (not thread-safe). ``plan`` raises ValueError for messages the template cannot render (a 400).
 The endpoint sends ``Plan.prompt_ids`` to the engine with its usual sampling params (stop ids: those given here),
