@@ -188,6 +188,10 @@ def main() -> None:
         "rss_mb": rss["rss_mb"], "rss_mb_sum": rss["rss_mb_sum"], **pss, "memory_estimate": memory.to_dict(),
         "plan_mb": round(memory.to_dict()["total_gb"] * 1e3),
         "versions_complete": not gaps, "version_gaps": gaps, "generator_versions": versions,
+        # generator 0's held-out greedy accuracy, first and last evaluation (with generator.eval_every=K given)
+        **({"accuracy_start": figures["evals"][0]["accuracy"], "accuracy_end": figures["evals"][-1]["accuracy"],
+            "accuracy_versions": [int(figures["evals"][0]["version"]), int(figures["evals"][-1]["version"])]}
+           if figures["evals"] and "accuracy" in figures["evals"][0] else {}),
         "final_version": int(records[-1]["version"]) if records else 0,
         "role_nodes": where, "learner_ranks": int(records[-1].get("learner_ranks", 1)) if records else 0,
         "samples_per_s": figures["learner_samples_per_s"], "generated_tokens_per_s": figures["generated_tokens_per_s"],
