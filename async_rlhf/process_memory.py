@@ -69,13 +69,9 @@ def peak_rss_mb(pid: int | None = None) -> dict[str, float]:
 
 
 def rollup_kb(text: str, key: str = "Pss") -> int:
-    """A field of /proc/<pid>/smaps_rollup in kB (``Pss:   1234 kB`` -> 1234); 0 when absent."""
-    for line in text.splitlines():
-        name, _, value = line.partition(":")
-        if name == key:
-            parts = value.split()
-            return int(parts[0]) if parts else 0
-    return 0
+    """A field of /proc/<pid>/smaps_rollup in kB (``Pss:   1234 kB`` -> 1234); 0 when absent (the format of
+    /proc/<pid>/status: ``status_int``)."""
+    return status_int(text, key)
 
 
 def pss_mb(pid: int) -> float:

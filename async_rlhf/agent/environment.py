@@ -112,7 +112,10 @@ class AgentEnv(Environment):
     async def rollout(self, prompt: Prompt, prompt_ids: list[int], policy: Policy) -> Trajectory:
         raise RuntimeError("AgentEnv plays whole groups: GroupRunner calls rollout_group")
 
-    async def rollout_group(self, gid: str, prompt: Prompt, n: int) -> tuple[list[int], list[Trajectory]]:
+    async def rollout_group(self, gid: str, prompt: Prompt, prompt_ids: list[int], n: int,
+                            policy: Policy) -> tuple[list[int], list[Trajectory]]:
+        """The agent's episodes render their own prompts: ``prompt_ids`` and ``policy`` are not used (the endpoint
+        reaches the engine through the server's PolicyEngine)."""
         if self.server is None:
             raise RuntimeError("task.name=agent but this generator serves no agent endpoint")
         self.server.engine.bind(asyncio.get_running_loop())
@@ -165,10 +168,10 @@ class AgentEnv(Environment):
         c["agent_timeouts"] += ep.timed_out
         for name in ("turns", "tool_calls", "tool_parse_errors", "forks", "retries"):
             c[f"agent_{name}"] += led[name]
-        turns = ep.ledger.turns_in_order()
+        turns, branches = ep.ledger.turns_in_order(), ep.ledger.branches()
         mismatch = abs(len(turns) - len(outputs))
         for turn, out in zip(turns, outputs):
-            got = ep.ledger.branches()[turn.branch].ids[turn.start:turn.end]
+            got = branches[turn.branch].ids[turn.start:turn.end]
             mismatch += sum(a != b for a, b in zip(got, out)) + abs(len(got) - len(out))
         c["agent_token_mismatch"] += mismatch + led["token_mismatch"]
 

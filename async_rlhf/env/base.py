@@ -21,6 +21,7 @@ returns-to-go.
 
 from __future__ import annotations
 
+import asyncio
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -147,6 +148,12 @@ class Environment(ABC):
     @abstractmethod
     async def rollout(self, prompt: Prompt, prompt_ids: list[int], policy: Policy) -> Trajectory:
         """Generate one trajectory for ``prompt`` (already tokenized as ``prompt_ids``)."""
+
+    async def rollout_group(self, gid: str, prompt: Prompt, prompt_ids: list[int], n: int,
+                            policy: Policy) -> tuple[list[int], list[Trajectory]]:
+        """A prompt group: (the group's prompt ids, ``n`` trajectories after them). By default ``n`` rollouts of
+        ``prompt_ids`` at once; an environment whose episodes find their own prompt (an agent's) plays them here."""
+        return prompt_ids, list(await asyncio.gather(*(self.rollout(prompt, prompt_ids, policy) for _ in range(n))))
 
     def train_prompts(self, seed: int) -> Iterator[Prompt]:
         """The environment's own prompt stream (``prompts.source=task``)."""

@@ -3,7 +3,7 @@
 Coroutines on an event loop owned by the generator's loop thread, run in slices between engine steps by
 :meth:`GroupRunner.pump` (nothing here blocks the engine for long: the buffer calls are short requests)::
 
-    start(gid, prompt) -> task: gather(env.rollout x group_size)        engine requests via the policy
+    start(gid, prompt) -> task: env.rollout_group (rollout x group_size)      engine requests via the policy
                             every reward source immediate?  score_now -> queued; at the end of the pump
                                                           the groups rewarded in it go in one put
                             otherwise                     put(group, rewards_pending) -> task keeps awaiting
@@ -168,12 +168,8 @@ class GroupRunner:
 
     async def _play(self, gid: str, prompt: Prompt, ids: list[int]) -> None:
         n, start_version, t_start = self.group_size, self.current_version(), time.time()
-        group_rollout = getattr(self.env, "rollout_group", None)  # an environment that plays whole groups (agents)
-        try:
-            if group_rollout is not None:
-                ids, trajs = await group_rollout(gid, prompt, n)  # the group's prompt: what its episodes share
-            else:
-                trajs = list(await asyncio.gather(*(self.env.rollout(prompt, ids, self.policy) for _ in range(n))))
+        try:  # the group's prompt may be the environment's own (an agent's episodes: what they share)
+            ids, trajs = await self.env.rollout_group(gid, prompt, ids, n, self.policy)
         except asyncio.CancelledError:
             raise
         except DropGroup as exc:

@@ -64,7 +64,7 @@ def agent_env(tmp_path: Path, agent_code: str, reply, **agent: object):
 
 
 def play(env, loop, gid: str, prompt: Prompt, n: int = 4):
-    return asyncio.run_coroutine_threadsafe(env.rollout_group(gid, prompt, n), loop).result(60)
+    return asyncio.run_coroutine_threadsafe(env.rollout_group(gid, prompt, [], n, None), loop).result(60)
 
 
 ADDITION = Prompt("12+34=", {"a": 12, "b": 34, "answer": "046"})
