@@ -182,8 +182,13 @@ def main(argv: list[str] | None = None) -> int:
 
             print(model_limits_line(cfg))
         if args.dry_run and not args.address:
-            here = local_resources(cfg)
-            print(format_plan(plan, {"CPU": here["_cores"], "GPU": here["GPU"]}))
+            from async_rlhf.driver.placement import local_ray_cpus
+
+            here = local_resources(cfg)  # Ray's logical CPUs: what the plan needs, or run.num_cpus (checked as a run)
+            cores = int(here["_cores"])
+            ray_cpus = local_ray_cpus(cfg, plan, cores)
+            print(format_plan(plan, {"CPU": ray_cpus, "GPU": here["GPU"]}, "this machine's Ray",
+                              cores=cores, ray_cpus=ray_cpus))
             print(memory.table())
             try:
                 check_memory(memory, node_memory_gb())
@@ -210,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
 
                 nodes = {n["NodeManagerAddress"]: {k: float(v) for k, v in n["Resources"].items()}
                          for n in ray.nodes() if n.get("Alive")}
-                print(format_plan(plan, ray.cluster_resources()))
+                print(format_plan(plan, ray.cluster_resources(), f"the Ray cluster at {args.address}"))
                 print(format_nodes(assign_to_nodes(plan, nodes)))
                 print("plan (JSON): " + json.dumps(plan.to_dict()))
                 return 0

@@ -92,8 +92,21 @@ def _fmt(x: float) -> str:
     return f"{x:g}"
 
 
-def format_plan(plan: PlacementPlan, available: dict[str, float] | None = None) -> str:
-    """The plan as a table; with ``available``, a last line saying whether the cluster can hold it."""
+def local_ray_cpus(cfg: Config, plan: PlacementPlan, cores: int) -> int:
+    """The logical CPUs of the Ray a run starts on this machine (async_rlhf/driver/provision.py): ``run.num_cpus``
+    when set, else room for the plan plus 4 generators added by ``scale``, and never fewer than the ``cores``.
+    Logical CPUs are Ray's bookkeeping: on one host the roles share the cores whatever their count."""
+    if cfg.run.num_cpus:
+        return int(cfg.run.num_cpus)
+    return max(cores, int(plan.totals()["CPU"] + 0.999) + 4 * int(cfg.resources.generator_cpus + 0.999))
+
+
+def format_plan(plan: PlacementPlan, available: dict[str, float] | None = None, where: str = "this machine",
+                cores: int | None = None, ray_cpus: int | None = None) -> str:
+    """The plan as a table; with ``available`` (what Ray offers: a cluster joined, or a local Ray of
+    ``run.num_cpus``), a line saying whether it can hold the plan; with ``cores`` (one host), a line saying how
+    many roles share how many cores (never a refusal: the launcher starts Ray with the logical CPUs the plan
+    needs, ``local_ray_cpus``: ``ray_cpus``)."""
     lines = [f"{'role':<11} {'count':>5} {'CPU/each':>8} {'GPU/each':>8} {'CPU':>7} {'GPU':>5}  strategy  note"]
     for r in plan.roles:
         t = r.totals()
@@ -105,9 +118,23 @@ def format_plan(plan: PlacementPlan, available: dict[str, float] | None = None) 
     if available is not None:
         short = plan.shortfall(available)
         have = ", ".join(f"{_fmt(available.get(k, 0.0))} {k}" for k in ("CPU", "GPU"))
-        lines.append(f"fits this machine ({have}): " + ("yes" if not short else "no, short of " + ", ".join(
+        lines.append(f"fits {where} ({have}): " + ("yes" if not short else "no, short of " + ", ".join(
             f"{k} ({_fmt(need)} needed)" for k, (need, _) in short.items())))
+    if cores is not None:
+        lines.append(cores_line(plan, cores, ray_cpus))
     return "\n".join(lines)
+
+
+def cores_line(plan: PlacementPlan, cores: int, ray_cpus: int | None = None) -> str:
+    """How many generators and learner ranks share this host's ``cores`` (the buffer, mostly waiting on I/O, left
+    out): more roles than cores run, each step slower; with ``ray_cpus``, the logical CPUs Ray is started with."""
+    roles = sum(r.count for r in plan.roles if r.role != "buffer")
+    line = (f"{roles} roles on {cores} cores: one core or more each" if roles <= cores else
+            f"{roles} roles on {cores} cores: each step will be slower, see docs/hardware.md")
+    if ray_cpus is not None:
+        line += (f" (Ray is started with {ray_cpus} logical CPUs, one per role's CPU and room for `scale`: a count "
+                 "Ray keeps, not cores)")
+    return line
 
 
 def check_fits(plan: PlacementPlan, available: dict[str, float], where: str) -> None:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from async_rlhf.config import Config
-from async_rlhf.driver.placement import PlacementPlan
+from async_rlhf.driver.placement import PlacementPlan, local_ray_cpus
 from async_rlhf.driver.role_env import ROLE_ENV, forks_roles, generator_env, joined_address, learner_env
 from async_rlhf.driver.startup_watch import StartupWatch
 
@@ -127,8 +127,7 @@ def connect(cfg: Config, placement: PlacementPlan, address: str | None) -> bool:
         ray.init(address=address, log_to_driver=forward_role_output(cfg))
         return False
     # locally, room for the plan plus a few generators added by `scale` (roles share the cores)
-    local_cpus = cfg.run.num_cpus or max(os.cpu_count() or 1, int(placement.totals()["CPU"] + 0.999)
-                                         + 4 * int(cfg.resources.generator_cpus + 0.999))
+    local_cpus = local_ray_cpus(cfg, placement, os.cpu_count() or 1)
     start_local_ray(local_cpus, dict(ROLE_ENV), log_to_driver=forward_role_output(cfg))
     return True
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -81,6 +82,10 @@ def test_dry_run_prints_the_plan_for_16_and_16_without_starting_anything(tmp_pat
     assert total_row[1:] == ["33", "81", "0"]
     assert plan["memory"]["total_gb"] == pytest.approx(16 * (0.27 + 0.0347) + 16 * 0.15 + 1.6, abs=0.01)
     assert "fits this machine's memory" in proc.stdout
+    # Ray here gets the logical CPUs the plan needs (81 + room for 4 generators of 2): not a refusal on 2 cores
+    fit = next(line for line in proc.stdout.splitlines() if line.startswith("fits this machine's Ray"))
+    assert fit.startswith("fits this machine's Ray (89 CPU, ") and fit.endswith(": yes"), fit
+    assert f"32 roles on {os.cpu_count()} cores" in proc.stdout
     assert not (tmp_path / "runs").exists(), "a dry run must not write a run directory"
 
 
