@@ -25,16 +25,17 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import shutil
 import threading
 import time
 from collections import defaultdict
-from pathlib import Path
 from typing import Any
 
 from async_rlhf.config import Config
 from async_rlhf.learner.dpo_update import online_dpo_update
+from async_rlhf.learner.pg_update import policy_gradient_update
+from async_rlhf.learner.probes import FleetProbes
 from async_rlhf.learner.ranks import max_over_ranks, max_tensor_over_ranks, reduce_across_ranks, sum_over_ranks
+from async_rlhf.learner.saving import Checkpointing
 from async_rlhf.timeline import Timeline
 
 log = logging.getLogger(__name__)
@@ -43,7 +44,11 @@ COMPUTE = ("collate", "forward_backward", "optimizer")
 """Learner states that are computation on the batch (``learner_compute_fraction``)."""
 
 
-class LearnerActor:
+class LearnerActor(FleetProbes, Checkpointing):
+    """One learner rank (a Ray actor: ``ray.remote(LearnerActor)`` in ``driver/start_roles.py``). Its checkpoint and
+    Hugging Face export methods are in ``saving.py``, the fleet measurements in ``probes.py`` (base classes: their
+    methods are this actor's, remote-callable the same way); one step's policy-gradient update is ``pg_update.py``."""
+
     def __init__(self, rank: int, world_size: int, cfg: Config, model_path: str, master_addr: str,
                  master_port: int, buffer_address: str, reference_path: str | None = None) -> None:
         """``model_path``: the policy to start from (a resumed run's checkpoint policy); ``reference_path``: the
@@ -194,37 +199,6 @@ class LearnerActor:
         if self._pusher is not None:
             self._pusher.members_died(member_ids)
 
-    # -- measurements of the fleet (async_rlhf/driver/fleet_figures.py, bench/scale.py) ----------------------
-    def raw_broadcast(self, world: int, tag: str, reps: int) -> dict[str, Any]:
-        """Rank 0, after training: ``reps`` raw broadcasts of the push's bytes, on the push's store and transport,
-        to the ``world - 1`` generator workers that call ``raw_receive`` with ``tag`` (async_rlhf/sync/raw.py)."""
-        from async_rlhf.sync.raw import raw_send
-
-        sender = self._pusher.sender
-        nbytes = sum(b.nbytes for b in self._buckets)
-        return {"bytes": nbytes, "seconds": raw_send(sender.store, sender.transport, nbytes, world, tag, reps,
-                                                     self.cfg.sync.timeout_s)}
-
-    def allreduce_seconds(self, reps: int) -> dict[str, Any]:
-        """Every rank at once, after training: ``reps`` all-reduces (sum; one warm-up first, each after a barrier)
-        over the learner ranks' group of a tensor with as many elements as the trainable parameters, in their dtype:
-        what a data-parallel step reduces (ZeRO-0/1 all-reduce every gradient; ZeRO-2/3 reduce-scatter as many)."""
-        import torch
-        import torch.distributed as dist
-
-        params = [p for p in self.engine.module.parameters() if p.requires_grad]
-        numel = sum(int(getattr(p, "ds_numel", p.numel())) for p in params)  # ZeRO-3: the full size
-        grads = torch.ones(numel, dtype=params[0].dtype, device=self.placer.device)
-        seconds = []
-        for _ in range(reps + 1):
-            dist.barrier()
-            t0 = time.perf_counter()
-            dist.all_reduce(grads)
-            if grads.is_cuda:
-                torch.cuda.synchronize(grads.device)
-            seconds.append(time.perf_counter() - t0)
-        return {"elements": numel, "bytes": numel * grads.element_size(), "seconds": seconds[1:]}
-
     def _start_push(self, version: int) -> None:
         """Hand ``version`` to the push thread (rank 0) and return at once; under ZeRO-3 gather and push
         here (every rank takes part in the gather). Metrics of finished pushes go to ``_push_metrics``."""
@@ -366,28 +340,11 @@ class LearnerActor:
     def _update(self, batch: Any, group_sizes: list[int] | None = None) -> dict[str, float]:
         """``train.minibatches`` optimizer steps on one batch; returns metrics averaged over them (max of maxima).
 
-        ``train.algorithm`` picks the advantages: group baselines (grpo), GAE with the critic (ppo, which
-        also trains the critic once per minibatch), or no policy gradient at all (online_dpo, its own loss).
-
-        The proximal policy is the weights at the start of the step: exactly the current weights (detached)
-        with one minibatch, a no-grad forward with several, or interpolated by version for
-        ``decoupled_ppo_interp``.
+        ``train.algorithm`` picks the update: policy gradient with group baselines (grpo) or GAE with the critic
+        (ppo), ``pg_update.py``; or no policy gradient at all (online_dpo, its own loss), ``dpo_update.py``.
         """
-        import torch
-
         from async_rlhf.learner.agreement import Agreement
-        from async_rlhf.learner.microbatch import (
-            ForwardOptions,
-            PolicyStep,
-            accumulate_policy_grads,
-            engine_backward,
-            in_step,
-            logprobs_no_grad,
-            plan_micro_batches,
-            step_norm,
-        )
 
-        obj = self.cfg.train.objective
         # the agreement monitor (learner/agreement.py): right after a push the weights are exactly that version
         agreement = self._agreement = Agreement(self.version if self.step % self.cfg.train.push_every == 0 else None)
         agreement.observe_sampled(batch.behav_logp, batch.loss_mask)
@@ -395,81 +352,13 @@ class LearnerActor:
             sizes = group_sizes or [batch.input_ids.shape[0]]
             return online_dpo_update(self.engine, self.ref_model, self.cfg, batch, sizes, self._phase,
                                      self._optimizer_step, self._max_ranks, self._sum_ranks, agreement)
-        lc = self.cfg.learner
-        # log-probs of the distribution the generators sampled from: logits / generator.temperature
-        opts = ForwardOptions(lc.pack, lc.logprob_chunk_tokens, lc.max_tokens_per_micro_batch,
-                              self.cfg.generator.temperature)
-        n = batch.input_ids.shape[0]
-        k = min(self.cfg.train.minibatches, n)
-        every = torch.arange(n)
-        prox_all = None
-        # ZeRO-3 gathers the parameters in every forward: ranks agree on the count of no-grad forwards too
-        agree = self._max_ranks if lc.zero_stage == 3 else None
-        if k > 1 and obj.kind not in ("ppo", "decoupled_ppo_interp"):
-            with self._phase("forward_backward"):
-                prox_all = logprobs_no_grad(self.engine, batch, every, opts, agree)
-            agreement.observe(prox_all, batch.behav_logp, batch.versions, batch.loss_mask)
-        adv = batch.advantages.unsqueeze(1).expand_as(batch.behav_logp)
-        targets = None
-        if self.ppo is not None:
-            ref = self.ref_model
-            with self._phase("forward_backward"):
-                targets = self.ppo.prepare(batch, (lambda: logprobs_no_grad(ref, batch, every, opts))
-                                           if ref is not None else None,
-                                           self._sum_ranks)
-            adv = targets.advantages
-        per_step: list[dict[str, float]] = []
-        for j, idx in enumerate(every.chunk(k)):
-            with self._phase("forward_backward"):
-                norm = step_norm(batch.loss_mask[idx], self.cfg.generator.max_new_tokens, self.world_size,
-                                 self._sum_ranks)
-                parts = plan_micro_batches(batch.attention_mask[idx].sum(dim=1).tolist(), opts.max_tokens, opts.pack)
-                # every rank runs as many forwards and backwards (ZeRO-2/3 reduce in each backward)
-                plan = in_step([[int(idx[i]) for i in part] for part in parts], self._max_ranks)
-                # the first minibatch's forwards run at the step's starting weights (unless prox_all did)
-                step = PolicyStep(adv, prox_all, self.version + j / k, self.version,
-                                  agreement if j == 0 and prox_all is None else None)
-                m = accumulate_policy_grads(self.engine, batch, plan, step, obj, norm, opts,
-                                            engine_backward(self.engine), self.ref_model)
-            self._optimizer_step()
-            with self._phase("forward_backward"):
-                if targets is not None:
-                    m.update(self.ppo.train_critic(batch, idx, targets))
-            per_step.append(m)
-        merged: dict[str, float] = {}
-        for key in per_step[0]:
-            values = [m[key] for m in per_step]
-            merged[key] = max(values) if key.endswith("/max") else sum(values) / len(values)
-        if targets is not None:
-            merged.update(targets.metrics)
-        return merged
+        return policy_gradient_update(self.engine, self.ref_model, self.ppo, self.cfg, batch, self.version,
+                                      self.world_size, self._phase, self._optimizer_step, self._max_ranks,
+                                      self._sum_ranks, agreement)
 
     def metrics_since(self, index: int) -> list[dict[str, Any]]:
         with self._lock:
             return self.metrics[index:]
-
-    # -- checkpoints (the driver commits them: manifest, rename, prune; see async_rlhf/driver/checkpoints.py) ----
-    def save_checkpoint(self, out_dir: str) -> float:
-        """Model, optimizer, step and version (DeepSpeed, collective on every rank) and, from rank 0, the
-        policy as a Hugging Face directory, all under ``out_dir``; returns the seconds it took."""
-        t0 = time.perf_counter()
-        out = Path(out_dir)
-        self.engine.save_checkpoint(str(out / "deepspeed"), tag="state",
-                                    client_state={"step": self.step, "version": self.version})
-        if self.ppo is not None:  # the critic and the reward moments (learner/ppo.py)
-            self.ppo.save(out, self.rank)
-        self.save_hf(str(out / "policy"))
-        return time.perf_counter() - t0
-
-    def load_checkpoint(self, ckpt_dir: str) -> dict[str, int]:
-        """Restore model, optimizer, step and version (and PPO's critic and reward moments) from a committed
-        checkpoint before train()."""
-        _, client = self.engine.load_checkpoint(str(Path(ckpt_dir) / "deepspeed"), tag="state")
-        if client is None:
-            raise RuntimeError(f"{ckpt_dir}: DeepSpeed found no state to load")
-        self.step, self.version = int(client["step"]), int(client["version"])
-        critic = self.ppo.load(Path(ckpt_dir), self.rank) if self.ppo is not None else None
-        return {"step": self.step, "version": self.version, "critic_restored": critic}
 
     def current_step(self) -> int:
         return self.step
@@ -493,27 +382,3 @@ class LearnerActor:
             for s in [s for s in self._trained_by_step if s < first_step]:
                 del self._trained_by_step[s]
         return out
-
-    def save_hf(self, out_dir: str) -> str:
-        """Write the policy as a Hugging Face model directory (tokenizer files, chat template and generation
-        config copied from the input, so it loads and stops as the input did; with LoRA the merged model); under
-        ZeRO-3 a window of parameters at a time, one shard each (collective: every rank calls it)."""
-        from async_rlhf.learner.lora import export_merged
-        from async_rlhf.learner.zero3 import save_hf_windowed
-        from async_rlhf.tokenizer import copy_tokenizer_files
-
-        out = Path(out_dir)
-        tmp = out.with_name(out.name + ".tmp")
-        if self.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        if self.cfg.learner.zero_stage == 3:  # (LoRA refuses ZeRO-3 at config load)
-            save_hf_windowed(self.engine.module, tmp, self.cfg.learner.zero3_gather_mb << 20, self.rank == 0)
-        elif self.rank == 0 and self.merged is not None:  # the merged model (and the adapter alone in adapter/)
-            export_merged(self.engine.module, str(tmp), self.merged)
-        elif self.rank == 0:  # ZeRO 0-2: every rank holds the full parameters
-            self.engine.module.save_pretrained(tmp)
-        if self.rank == 0:
-            copy_tokenizer_files(self.model_path, tmp)
-            shutil.rmtree(out, ignore_errors=True)
-            tmp.rename(out)
-        return str(out)
