@@ -40,7 +40,7 @@ bench/machine.py):
     machine_used_mb      the machine's peak used memory during the row (total - available, Ray's processes too), less
                          what it used before the namespace cluster was built (other jobs on a shared machine);
                          machine_used_mb_peak: the peak itself, machine_used_mb_before: that baseline
-    plan_mb              the memory plan's estimate of the fleet (async_rlhf/driver/memory_plan.py)
+    plan_mb              the memory plan's estimate of the fleet over the cluster's Ray nodes (driver/memory_plan.py)
     versions_complete    every push acknowledged by every generator (an acknowledgement means the member holds that
                          version byte-exact) and every generator ending on the final version
 

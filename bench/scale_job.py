@@ -135,11 +135,15 @@ def main() -> None:
                              *SETTINGS, *args.overrides])
     make_paths_absolute(cfg)
     model = resolve_model(cfg, ROOT / "runs" / "cache")
-    memory = estimate_memory(cfg, model_parameters(model))
-    print(f"scale: {args.generators} generator(s) + {args.learners} learner rank(s); {memory.table()}", flush=True)
+    print(f"scale: {args.generators} generator(s) + {args.learners} learner rank(s)", flush=True)
     model_s = time.time() - t0
     cluster = Cluster(cfg, model, args.address)
     startup_s = time.time() - t0
+    import ray
+
+    ray_nodes = sum(1 for n in ray.nodes() if n.get("Alive"))  # each pays its own Ray (and fork server): the plan's
+    memory = estimate_memory(cfg, model_parameters(model), nodes=ray_nodes)
+    print(f"scale: over {ray_nodes} Ray node(s), {memory.table()}", flush=True)
     by_phase = cluster.startup_s_by_phase
     by_phase["driver"] = {"model": round(model_s, 3), **by_phase.get("driver", {})}
     where = {role: [n["node"] for n in found] for role, found in cluster.nodes.items()}
@@ -175,7 +179,7 @@ def main() -> None:
     gaps = version_gaps(records, versions, members)
     row = {
         "generators": args.generators, "learners": args.learners,
-        "nodes": nodes,
+        "nodes": nodes, "ray_nodes": ray_nodes,
         "startup_s": round(startup_s, 2), "startup_s_by_phase": by_phase,
         "steps": len(records), "steps_per_s": steps_per_s(records), "train_s": figures["wall_time_s"],
         "step_time_s": step_times(records),

@@ -217,7 +217,9 @@ def main(argv: list[str] | None = None) -> int:
                          for n in ray.nodes() if n.get("Alive")}
                 print(format_plan(plan, ray.cluster_resources(), f"the Ray cluster at {args.address}"))
                 print(format_nodes(assign_to_nodes(plan, nodes)))
-                print("plan (JSON): " + json.dumps(plan.to_dict()))
+                memory = plan_for(cfg, nodes=len(nodes))  # each node pays its own Ray and fork server
+                print(memory.table())
+                print("plan (JSON): " + json.dumps({**plan.to_dict(), "memory": memory.to_dict()}))
                 return 0
         from async_rlhf.driver.run_lock import hold_run_dir
 

@@ -9,6 +9,7 @@
                             activations of one training forward (see :func:`activation_bytes`: the tokens of one
                             micro-batch x layers x hidden x bytes x a factor, and the logits)
     fixed                   Ray's processes, the driver, the buffer actor (and the fork servers)
+    each further node       its own Ray processes and fork server (a run over several nodes: ``nodes``)
 
 The process figures are fitted to what bench/fleet_memory.py measured here (tiny model, defaults, 5-10 steps;
 docs/hardware.md): the peak of the summed proportional set size (PSS: a page shared by k processes counts 1/k in
@@ -25,6 +26,16 @@ learner rank ~0.15 GB beside its state, over a fixed ~1.6 GB (Ray 0.4-0.8, the f
 A role that imports for itself (GPU runs, ``run.fork_workers=false``) holds its own copy: ~0.9 GB a generator,
 ~0.6 GB a learner rank (resident, measured before the fork servers), over ~1.0 GB. A fleet whose estimate exceeds
 the node's memory is refused before anything starts, naming the largest one that fits.
+
+A run over several Ray nodes pays each further node's fixed cost (:data:`NODE_GB`), measured over network-namespace
+nodes on this machine (tests/cluster/nodes.py; 4 + 4, 5 steps, every process of the nodes' namespaces summed, peaks):
+1 node 4.06 GB of PSS, 3.44 machine used; 4 nodes 6.52 and 5.89: 0.82 GB more per node by both measures. Idle, a
+further node's Ray is 0.30 GB (raylet 0.02, dashboard agent 0.08, runtime-env agent 0.05, log monitor 0.05, and
+its ``ray start --block`` 0.13-0.14); with roles, its fork server holds its own copy of the imported libraries
+(0.32 GB its own PSS) and its fewer children share them among fewer: 0.52 GB more, on the nodes that hold forked
+roles (1 + 1 over 4 nodes: 2 of them; 3.99 GB of PSS, 3.59 used, plan 3.49). Without fork servers a node pays its
+Ray only. The head of such a cluster also runs the dashboard (~0.4 GB, not counted: the launcher's own Ray starts
+none): the 4 + 4 on one such node measured 4.06 / 3.44 against a plan of 3.49.
 """
 
 from __future__ import annotations
@@ -51,6 +62,12 @@ LEARNER_FORKED_GB = 0.15
 """A forked learner rank's own pages (PSS) beside its model state and activations."""
 FORKED_FIXED_GB = 1.6
 """Ray, the driver, the buffer and the fork servers with their imported pages, with forked roles."""
+NODE_RAY_GB = 0.30
+"""A further Ray node's own processes: raylet, dashboard agent, runtime-env agent, log monitor, ``ray start``."""
+NODE_FORK_GB = 0.52
+"""A further node's fork server with its imported libraries (where forked roles run: with fewer roles than nodes,
+on as many nodes as there are roles)."""
+NODE_GB = NODE_RAY_GB + NODE_FORK_GB
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -157,29 +174,49 @@ class MemoryPlan:
     """Of ``generator_gb``: the KV cache of a CPU engine."""
     kv_auto: bool = True
     """The KV cache is sized to what the engine can use (``generator.kv_cache_gib=0``), not set."""
+    nodes: int = 1
+    """The Ray nodes the run spans: each beyond the first adds ``node_ray_gb``, and ``node_fork_gb`` where roles
+    run (as many nodes as there are generators and learner ranks, at most)."""
+    node_ray_gb: float = NODE_RAY_GB
+    node_fork_gb: float = NODE_FORK_GB
+    """0 without fork servers (each role imports for itself, counted per role)."""
+
+    @property
+    def base_gb(self) -> float:
+        """What the fleet costs beside its roles: ``fixed_gb`` and the further nodes' Ray and fork servers."""
+        fork_nodes = min(self.nodes, self.generators + self.learners)
+        return self.fixed_gb + (self.nodes - 1) * self.node_ray_gb + (fork_nodes - 1) * self.node_fork_gb
 
     def total_gb(self, generators: int | None = None, learners: int | None = None) -> float:
         g = self.generators if generators is None else generators
         m = self.learners if learners is None else learners
-        return self.fixed_gb + g * self.generator_gb + m * self.learner_gb
+        return self.base_gb + g * self.generator_gb + m * self.learner_gb
 
     def largest(self, node_gb: float) -> tuple[int, int, int]:
         """What fits in ``node_gb``: (most generators beside this many learners, most learners beside this many
         generators, the largest N of N generators + N learners); 0 where none does."""
-        room = node_gb - self.fixed_gb
+        room = node_gb - self.base_gb
         g = int((room - self.learners * self.learner_gb) // self.generator_gb)
         m = int((room - self.generators * self.generator_gb) // self.learner_gb)
         n = int(room // (self.generator_gb + self.learner_gb))
         return max(g, 0), max(m, 0), max(n, 0)
 
+    def fixed_words(self) -> str:
+        """``1.60 GB for Ray, ...`` and, over several nodes, what the further nodes add."""
+        words = f"{self.fixed_gb:.2f} GB for Ray, the driver, the buffer and the fork servers"
+        if self.nodes > 1:
+            words += (f", {self.base_gb - self.fixed_gb:.2f} GB for {self.nodes - 1} further node(s)' Ray "
+                      f"({self.node_ray_gb:.2f} each) and fork servers ({self.node_fork_gb:.2f} each)")
+        return words
+
     def table(self) -> str:
         return (f"memory estimate: {self.generator_gb:.2f} GB per generator, {self.learner_gb:.2f} GB per learner "
-                f"rank, {self.fixed_gb:.2f} GB for Ray, the driver, the buffer and the fork servers: "
-                f"{self.total_gb():.1f} GB in all")
+                f"rank, {self.fixed_words()}: {self.total_gb():.1f} GB in all")
 
     def to_dict(self) -> dict[str, Any]:
         return {"generator_gb": round(self.generator_gb, 3), "learner_gb": round(self.learner_gb, 3),
-                "fixed_gb": self.fixed_gb, "total_gb": round(self.total_gb(), 3)}
+                "fixed_gb": self.fixed_gb, "nodes": self.nodes, "nodes_gb": round(self.base_gb - self.fixed_gb, 3),
+                "total_gb": round(self.total_gb(), 3)}
 
 
 def kv_cache_gb(cfg: Config) -> float:
@@ -192,9 +229,10 @@ def kv_cache_gb(cfg: Config) -> float:
 
 
 def estimate_memory(cfg: Config, params: int, generators: int | None = None,
-                    learners: int | None = None, shape: ModelShape | None = None) -> MemoryPlan:
+                    learners: int | None = None, shape: ModelShape | None = None, nodes: int = 1) -> MemoryPlan:
     """The memory plan of ``cfg`` (sizes default to the config's) for a policy of ``params`` parameters and, when
-    known, ``shape`` (its activations: :func:`activation_bytes`; without it they are not counted)."""
+    known, ``shape`` (its activations: :func:`activation_bytes`; without it they are not counted), over ``nodes``
+    Ray nodes (1: the launcher's own Ray on this host; a cluster joined: its nodes, each paying its own Ray)."""
     g = cfg.generators if generators is None else generators
     m = cfg.learners if learners is None else learners
     gen, res = cfg.generator, cfg.resources
@@ -221,12 +259,13 @@ def estimate_memory(cfg: Config, params: int, generators: int | None = None,
         activations = activation_bytes(cfg, shape, m) if shape is not None else 0
         learner_gb += (trained + ref + critic + activations) / GB
     return MemoryPlan(generator_gb, learner_gb, FORKED_FIXED_GB if forked else FIXED_GB, g, m, activations / GB, kv_gb,
-                      gen.kv_cache_gib == 0)
+                      gen.kv_cache_gib == 0, max(nodes, 1), NODE_RAY_GB, NODE_FORK_GB if forked else 0.0)
 
 
 def check_memory(plan: MemoryPlan, node_gb: float, where: str = "this machine") -> None:
     """Refuse a fleet whose estimate exceeds the node's memory, naming the largest ones that fit (and, when the
-    config sets ``generator.kv_cache_gib``, that lowering it helps)."""
+    config sets ``generator.kv_cache_gib``, that lowering it helps). With ``plan.nodes`` > 1 the whole estimate is
+    held against ``node_gb``: right for nodes that share one machine (namespace nodes), cautious across hosts."""
     need = plan.total_gb()
     if need <= node_gb:
         return
@@ -242,16 +281,16 @@ def check_memory(plan: MemoryPlan, node_gb: float, where: str = "this machine") 
     raise ConfigError(
         f"{plan.generators} generator(s) and {plan.learners} learner rank(s) need about {need:.1f} GB of memory and "
         f"{where} has {node_gb:.1f} GB ({plan.generator_gb:.2f} GB per generator, of which {plan.kv_gb:.2f} GB "
-        f"is its KV cache; {plan.learner_gb:.2f} GB per learner rank; {plan.fixed_gb:.2f} GB for Ray, the driver, "
-        f"the buffer and the fork servers){fits}"
+        f"is its KV cache; {plan.learner_gb:.2f} GB per learner rank; {plan.fixed_words()}){fits}"
         + ("" if plan.kv_auto else "; or lower generator.kv_cache_gib (fractions of a GiB work; 0: what the engines "
            "can use)")
         + (f"; a learner rank's activations are {plan.activation_gb:.1f} GB of it: bound them with "
            "learner.max_tokens_per_micro_batch (and model.max_model_len)" if plan.activation_gb > 1.0 else ""))
 
 
-def plan_for(cfg: Config) -> MemoryPlan:
-    """The memory plan for ``cfg``'s policy: ``model.path``'s size and shape, or the tiny model's (a few MB)."""
+def plan_for(cfg: Config, nodes: int = 1) -> MemoryPlan:
+    """The memory plan for ``cfg``'s policy over ``nodes`` Ray nodes: ``model.path``'s size and shape, or the tiny
+    model's (a few MB)."""
     if not cfg.model.path:
-        return estimate_memory(cfg, 0)
-    return estimate_memory(cfg, model_parameters(cfg.model.path), shape=model_shape(cfg.model.path))
+        return estimate_memory(cfg, 0, nodes=nodes)
+    return estimate_memory(cfg, model_parameters(cfg.model.path), shape=model_shape(cfg.model.path), nodes=nodes)
