@@ -173,7 +173,8 @@ def push_table(rows: list[dict[str, Any]]) -> str:
     """The push against the raw broadcast, ms (medians): quiet fleet, then during training (sent / ack wait), then
     from acknowledgement to live (median and max over pushes x generators) and the pairs within the bound."""
     head = (f"{'N+N':>5} {'push_q':>7} {'raw_q':>7} {'ratio':>6} {'push_t':>7} {'sent':>6} {'ack':>6} {'raw_t':>7} "
-            f"{'serve_q':>8} {'serve_t':>8} {'ack>live':>8} {'max':>7} {'step':>6} {'apply':>6} {'bound':>8}")
+            f"{'serve_q':>8} {'serve_t':>8} {'ack>live':>8} {'max':>7} {'step':>6} {'apply':>6} {'bound':>8} "
+            f"{'1 step':>8}")
     lines = [head]
     for r in rows:
         q, t = r.get("serve_quiet", {}), r.get("serve_training", {})
@@ -187,7 +188,8 @@ def push_table(rows: list[dict[str, Any]]) -> str:
             f"{raw_t:>7} {q.get('served_s', 0.0) * 1e3:>8.1f} {t.get('served_s', 0.0) * 1e3:>8.1f} "
             f"{t.get('ack_to_live_s', 0.0) * 1e3:>8.1f} {t.get('ack_to_live_s_max', 0.0) * 1e3:>7.1f} "
             f"{t.get('step_s', 0.0) * 1e3:>6.1f} {t.get('apply_s', 0.0) * 1e3:>6.1f} "
-            f"{str(t.get('bound_held', 0)) + '/' + str(t.get('pairs', 0)):>8}")
+            f"{str(t.get('bound_held', 0)) + '/' + str(t.get('pairs', 0)):>8} "
+            f"{str(t.get('steps_held', 0)) + '/' + str(t.get('pairs', 0)):>8}")
     return "\n".join(lines)
 
 
@@ -352,7 +354,8 @@ def main(argv: list[str] | None = None) -> int:
           f"during training (* the raw ended after the last step); the bytes: {rows[-1]['raw_bytes'] / 1e6:.2f} MB "
           "if any row; serve_q / serve_t: from the push's start until every generator serves it; ack>live (max): "
           "from the acknowledgement until a generator serves it, during training, of which step: the engine step "
-          "in progress, apply: the load; bound: pairs within one step + the apply + one poll. allred_ms: the "
+          "in progress, apply: the load; bound: pairs within one step + the apply + one poll; 1 step: pairs whose "
+          "generator began at most one engine step between the acknowledgement and its load. allred_ms: the "
           "learners' all-reduce of their gradients' size; pss_*: MB after training (shared pages once); used_mb: the "
           "machine's peak during the row; plan_mb: the memory plan's estimate" if rows else "")
     print(f"target: {TARGET}: {'holds' if result['holds'] else 'does not hold'}")

@@ -127,7 +127,7 @@ def main() -> None:
     from async_rlhf.driver.fleet_figures import learner_allreduce, peak_rss, push_figures, version_gaps
     from async_rlhf.driver.memory_plan import estimate_memory, model_parameters
     from async_rlhf.driver.runner import train
-    from async_rlhf.generator.loop_phases import UPDATE_POLL_S
+    from async_rlhf.generator.loop_phases import update_poll_s
 
     run_dir = args.run_dir.resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -169,7 +169,7 @@ def main() -> None:
         cluster.shutdown()
     members = args.generators * cfg.resources.tensor_parallel
     quiet_lives = [q["live"] for q in quiet]
-    timelines = {name: pt.served_timeline(ps, ls, intervals, UPDATE_POLL_S)
+    timelines = {name: pt.served_timeline(ps, ls, intervals, update_poll_s(cfg.resources.tensor_parallel))
                  for name, ps, ls in (("quiet", quiet, quiet_lives), ("training", pushes, lives))}
     (run_dir / "push_timeline.json").write_text(json.dumps(timelines))
     like = push_rows(quiet, pushes, raw, raw_training, records,

@@ -345,7 +345,9 @@ def served_timeline(pushes: list[dict[str, Any]], lives: list[dict[str, float]],
         apply_s      the load (``_load_version``), live inside it; ``wait_s``: acknowledgement to live
 
     ``bound_s``: one engine step (the one in progress) plus the apply plus one poll interval; ``held``: the wait
-    stayed within it."""
+    stayed within it. ``late_steps``: engine steps this generator began after the acknowledgement (every member
+    held the bytes) and before its load: ``held_steps`` when at most one (the step the loop was about to begin
+    when the bytes landed); unlike ``held``, it does not count the time the loop waits for a core."""
     rows = []
     for p, live in zip(pushes, lives):
         t_ack = float(p["sync/acked_time"])
@@ -368,6 +370,7 @@ def served_timeline(pushes: list[dict[str, Any]], lives: list[dict[str, float]],
             apply_s = load[1] - load_start if load else 0.0
             wait_s = t_live - t_ack
             bound_s = step_s + apply_s + poll_s
+            late_steps = sum(1 for a, _ in logs["steps"] if t_ack < a < load_start)
             loads = [tuple(x) for x in logs["loads"]]
             at_start = ("loading" if _containing(loads, t_start) else "stepping"
                         if _containing([tuple(x) for x in logs["steps"]], t_start) else "other")
@@ -377,7 +380,8 @@ def served_timeline(pushes: list[dict[str, Any]], lives: list[dict[str, float]],
                          "wait_s": wait_s, "step_s": step_s, "step_left_s": step_end - t_ack if step else 0.0,
                          "asked_s": asked - step_end, "between_s": load_start - step_end, "apply_s": apply_s,
                          "loop_state": _busiest_state(logs.get("states", []), step_end, asked),
-                         "bound_s": bound_s, "held": wait_s <= bound_s})
+                         "bound_s": bound_s, "held": wait_s <= bound_s, "late_steps": late_steps,
+                         "held_steps": late_steps <= 1})
     return rows
 
 
@@ -407,5 +411,7 @@ def timeline_summary(rows: list[dict[str, Any]], pushes: list[dict[str, Any]], l
                 if (v := [float(r["staged_s"]) for r in rows if r.get("at_start") == state and r["staged_s"] >= 0])},
             "apply_s": _median(col("apply_s")), "apply_s_max": max(col("apply_s"), default=0.0),
             "in_step_at_ack": sum(r["step_s"] > 0 for r in rows), "bound_held": sum(r["held"] for r in rows),
+            "steps_held": sum(r.get("held_steps", True) for r in rows),
+            "late_steps_max": max((r.get("late_steps", 0) for r in rows), default=0),
             "worst": {k: (round(v, 4) if isinstance(v, float) and k not in ("start", "ack", "live") else v)
                       for k, v in worst.items()} if worst else {}}

@@ -5,8 +5,12 @@ reused by every later push), and receives the push's chunks straight into one of
 per tensor during the transfer (the named views are built once per layout and slot). An update has two
 phases, so that the engine stands still only for the second::
 
-    fetch():  post recv(chunk 0..C-1) -> wait all -> ack (allreduce: learns v)  (engine keeps generating,
+    fetch():  post recv(chunk 0..C-1), ack -> wait all (allreduce: learns v)    (engine keeps generating,
               (the first push of an epoch: wait(store hdr k) first)               fetch runs on a thread)
+
+The ack is posted with the receives (a transport whose group runs its ops in order, as a receiver's does): it runs
+once the last chunk is here, inside the backend, so the sender's push ends without waiting for this process's
+fetch thread to wake (on a busy generator that waits for a core and the GIL: 120 of 135 ms of a push at 4+4).
     apply():  load(every bucket's named tensors) -> live key (wall time)          (engine paused between
                                                                                  two steps: the swap)
 
@@ -39,7 +43,6 @@ import contextlib
 import logging
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -50,7 +53,6 @@ from async_rlhf.sync import protocol as P
 from async_rlhf.sync.group import (
     Aborted,
     SyncError,
-    SyncTimeout,
     caused_by,
     connect_store,
     last_first,
@@ -60,6 +62,7 @@ from async_rlhf.sync.group import (
 )
 from async_rlhf.sync.layout import Bucket
 from async_rlhf.sync.receive_slots import ReceiveSlots, Staged
+from async_rlhf.sync.receiver_epochs import REJOINED, Cancelled, EpochFollower, Excluded, Posted
 from async_rlhf.sync.tensors import check_cut, layout_digest
 from async_rlhf.sync.transport import Transport, make_transport
 
@@ -67,23 +70,8 @@ __all__ = ["Cancelled", "Excluded", "Load", "ReceiveError", "Received", "Receive
 
 log = logging.getLogger(__name__)
 
-IDLE_SLICE_S = 0.05
-"""While pre-posted for the next push, how often a member asks the store whether a new epoch came instead."""
-REJOINED = P.Header(next_epoch=-1)
-"""What :meth:`Receiver._next_header` returns after joining again or after an aborted push: read the next
-header afresh."""
-
 Load = Callable[[Iterator], object]
 """Consumes an iterator of (name, tensor), or of lists of them (one per bucket) with ``per_bucket``."""
-
-
-class Excluded(SyncError):
-    """This member was dropped from the push group (it missed a deadline, or a restarted process took
-    over its id). The next ``join`` or ``receive`` asks to join again, as a new incarnation."""
-
-
-class Cancelled(SyncError):
-    """This receiver was cancelled (:meth:`Receiver.cancel`: its owner replaced it); it receives nothing more."""
 
 
 class ReceiveError(SyncError):
@@ -97,7 +85,7 @@ class Received:
     metrics: dict[str, float]
 
 
-class Receiver:
+class Receiver(EpochFollower):
     """A generator's end of the push group. :meth:`fetch` (and :meth:`prepost`) run on one thread, and
     :meth:`apply` may run on another (the engine loop); the slots between them (:class:`ReceiveSlots`) are
     guarded by a condition."""
@@ -111,7 +99,9 @@ class Receiver:
         self._slots = ReceiveSlots(buffers)
         self._cancelled = threading.Event()
         # a version waits here in host memory (NCCL: streamed through a bounded CUDA buffer, see transport.py)
-        self.transport = backend if isinstance(backend, Transport) else make_transport(backend, host_arena=True)
+        # and the ack is posted right behind the receives (in_order: see transport.Transport.in_order)
+        self.transport = (backend if isinstance(backend, Transport)
+                          else make_transport(backend, host_arena=True, in_order=True))
         backend = self.transport.name
         self.buffers = buffers
         self.me = P.Member(member_id, "")
@@ -130,8 +120,8 @@ class Receiver:
         has the same wire (the sender opens a new epoch to change it) and no store header, so its receives are
         posted at once (the fast path), into that buffer even if this member changed its layout since (it then
         refuses that push, once acknowledged)."""
-        self._posted: tuple[int, int, list[dist.Work], int] | None = None
-        """Receives posted for push k of epoch e into a slot (they stay posted across a fetch that timed out)."""
+        self._posted: Posted | None = None
+        """What is posted for the next push (its receives, and its ack on an in-order transport)."""
         self.use_layout(buckets)
         track(self)
 
@@ -148,22 +138,6 @@ class Receiver:
         within about a tenth of a second, without joining the group again. For an owner that replaces this
         receiver with another one (a generator healed under a new member id)."""
         self._cancelled.set()
-
-    def _check_cancelled(self) -> None:
-        if self._cancelled.is_set():
-            raise Cancelled(f"member {self.me.id}: this receiver was cancelled")
-
-    def _wait_keys(self, keys: list[str], deadline: float, what: str) -> None:
-        """Wait until every key exists, asking the store every ``IDLE_SLICE_S`` (as the pre-posted path does), so
-        that :meth:`cancel` is seen within one slice. Not a timed ``store.wait`` per slice: c10d logs two warning
-        lines for each one that times out, 20 lines a second from every idle generator."""
-        while True:
-            self._check_cancelled()
-            if self.store.check(keys):
-                return
-            if left(deadline) <= 0:
-                raise SyncTimeout(f"timed out waiting for {what}")
-            time.sleep(min(IDLE_SLICE_S, max(left(deadline), 0.0)))
 
     @property
     def coalesced(self) -> int:
@@ -186,42 +160,21 @@ class Receiver:
         into slot 0)."""
         return self._slots.arena(slot, self.transport)
 
+    def arrived(self) -> int | None:
+        """The version of the push whose every byte is here and acknowledged, before :meth:`fetch` (on its
+        thread) has staged it; None if there is none, or if this member acknowledges from that thread (a transport
+        whose ops do not run in order) or holds its ack on a GPU. Cheap and safe from any thread: the engine's loop
+        asks it between steps, so a swap waits for the fetch thread only once the loop itself stands still (the
+        thread's wake-up waits for a core and the GIL while the loop runs)."""
+        posted = self._posted
+        if posted is None or posted.ack is None or posted.ack.device.type != "cpu":
+            return None
+        if not posted.works[-1].is_completed():
+            return None
+        return int(posted.ack[0])
+
     def _posted_slot(self) -> int | None:
-        return self._posted[3] if self._posted is not None else None
-
-    # -- membership ---------------------------------------------------------------------------------
-    def join(self, timeout_s: float | None = None) -> int:
-        """Ask to join and wait until the sender admits this member (at ``form`` or at its next push);
-        returns the epoch. A joiner must then call :meth:`receive` promptly: the push that admitted it
-        is already on its way."""
-        deadline = time.monotonic() + (timeout_s or self.timeout_s)
-        self._check_cancelled()
-        if not self._queued:
-            self._ask_to_join()
-        key = P.admit_key(self.me)
-        self._wait_keys([key], deadline, f"admission of {self.me.id} to the push group (is the sender pushing?)")
-        self._queued = False
-        epoch = int(P.decode(self.store.get(key))["epoch"])
-        self._enter(epoch, deadline)
-        return epoch
-
-    def _enter(self, epoch: int, deadline: float) -> None:
-        self._wait_keys([P.members_key(epoch)], deadline, f"the member list of epoch {epoch}")
-        members = P.decode_members(self.store.get(P.members_key(epoch)))
-        self.transport.retire(self._pg, self._works)
-        self._pg, self._works, self.epoch, self._k, self._posted = None, [], None, 0, None
-        if self.me not in members:
-            raise Excluded(f"member {self.me.id} was dropped from the push group at epoch {epoch}; "
-                           "join again to come back")
-        self.epoch = epoch
-        rank = members.index(self.me) + 1
-        self._world = len(members) + 1
-        self.store.set(P.ready_key(epoch, self.me.id), self.me.nonce)
-        self._wait_keys([P.go_key(epoch)], deadline, f"the sender to open epoch {epoch}")
-        self._pg = self.transport.open(dist.PrefixStore(P.pg_prefix(epoch), self.store), rank, len(members) + 1,
-                                       self.timeout_s, ["the sender", *(m.id for m in members)])
-        log.info("member %s entered push group epoch %d as rank %d of %d", self.me.id, epoch, rank,
-                 len(members) + 1)
+        return self._posted.slot if self._posted is not None else None
 
     # -- data path ----------------------------------------------------------------------------------
     def fetch(self, timeout_s: float | None = None, keep_staged: bool = False) -> Staged:
@@ -274,9 +227,10 @@ class Receiver:
                 slot = self._slots.free(keep_staged, self._posted_slot())
                 if slot is None:
                     raise SyncError("no free receive slot for the push")
-                self._posted = (e, k, self._post(self.chunks, self.arena(slot)), slot)
-            works, slot = self._posted[2], self._posted[3]
-            got = self._transfer(works, version, e, k, deadline)
+                self._posted = self._post(e, k, self.chunks, self.arena(slot), slot)
+            posted = self._posted
+            slot = posted.slot
+            got = self._transfer(posted, version, deadline)
             self._posted = None
             if header is not None and got != version:
                 raise SyncError(f"the acknowledgement carries version {got}, the store header said {version}")
@@ -316,14 +270,19 @@ class Receiver:
             # the epoch's wire; into the last push's buffer if this member changed its layout since (that
             # push is then refused once acknowledged)
             arena = self.arena(slot) if expect[3] == self.layout_digest else expect[2]
-            self._posted = (self.epoch, self._k, self._post(expect[1], arena), slot)
+            self._posted = self._post(self.epoch, self._k, expect[1], arena, slot)
         return True
 
-    def _post(self, chunks: list[tuple[int, int]], arena: torch.Tensor) -> list[dist.Work]:
-        """Post the receives of every chunk of one push into the buffer, on the group."""
+    def _post(self, e: int, k: int, chunks: list[tuple[int, int]], arena: torch.Tensor, slot: int) -> Posted:
+        """Post the receives of every chunk of push k of epoch e into ``arena`` (slot ``slot``), on the group; on a
+        transport whose ops run in order, the acknowledgement right behind them (it runs once every chunk is here)."""
         works = [self.transport.broadcast(self._pg, arena[start:end]) for start, end in chunks]
+        ack = None
+        if self.transport.in_order:
+            ack = self.transport.int64s([0])
+            works.append(self.transport.allreduce(self._pg, ack))
         self._works = works
-        return works
+        return Posted(e, k, works, slot, ack)
 
     def _abort(self, e: int, k: int) -> Callable[[], str | None]:
         aborted = P.abort_key(e, k)
@@ -334,75 +293,6 @@ class Receiver:
             return "the sender aborted this push" if self.store.check([aborted]) else None
 
         return abort
-
-    def _store_header(self, e: int, k: int) -> P.Header | None:
-        key = P.header_key(e, k)
-        return P.Header.decode(self.store.get(key)) if self.store.check([key]) else None
-
-    def _next_header(self, e: int, k: int, deadline: float) -> P.Header | None:
-        """What push k of epoch e is. Pre-posted (fast path): None once its header arrived on the group, or
-        the store's move to the next epoch. Otherwise: the store's header, whichever it is."""
-        if self._posted is None:
-            self._wait_keys([P.header_key(e, k)], deadline, f"push {k} of epoch {e} (is the sender pushing?)")
-            return self._store_header(e, k)
-        moved: list[P.Header] = []
-        aborted: list[str] = []
-
-        def next_epoch() -> str | None:  # between slices: did the sender open a new epoch instead of pushing,
-            if self._cancelled.is_set():  # or give up on push k (another member died under it)?
-                return "this receiver was cancelled"
-            header = self._store_header(e, k)
-            if header is not None and header.next_epoch is not None:
-                moved.append(header)
-                return f"the sender opened epoch {header.next_epoch}"
-            if self.store.check([P.abort_key(e, k)]):
-                aborted.append(self.store.get(P.abort_key(e, k)).decode())
-                return "the sender aborted it"
-            return None
-
-        try:
-            self.transport.wait(self._posted[2][0], deadline, f"push {k} of epoch {e} (is the sender pushing?)",
-                                next_epoch, IDLE_SLICE_S)
-            return None
-        except SyncTimeout:
-            raise  # no push in time: the receives stay posted for the next fetch
-        except SyncError as exc:
-            self._check_cancelled()  # replaced by its owner: never join again
-            # the sender retired the group (a new epoch), or the receives outlived the group's own timeout
-            header = moved[0] if moved else self._store_header(e, k)
-            if header is not None and header.next_epoch is not None:
-                self._posted = None
-                return header
-            if aborted:  # a victim: say so, then wait for the sender's next push (it opens a new epoch)
-                with contextlib.suppress(Exception):
-                    self.store.set(P.ack_key(e, k, self.me.id), f"{P.ABORTED}: {aborted[0]}"[:500])
-                self._posted, self._expect, self._k = None, None, k + 1
-                return REJOINED
-            log.warning("member %s: the receives posted for push %d of epoch %d failed (%s); joining again",
-                        self.me.id, k, e, exc)
-            # a victim (another member's death breaks every pair with it, or the group timed out): if the sender
-            # pushes k into this broken group, this report keeps it from blaming this member, which is back
-            # by the next push as a new incarnation
-            with contextlib.suppress(Exception):
-                self.store.set(P.ack_key(e, k, self.me.id), f"{P.ABORTED}: posted receives failed ({exc})"[:500])
-            self._leave(join_again=False)
-            self.join(left(deadline))
-            return REJOINED
-
-    def _leave(self, join_again: bool) -> None:
-        """Leave the current group; with ``join_again``, ask to join as a new incarnation right away (the
-        next :meth:`fetch` waits for the admission)."""
-        self._posted, self._expect = None, None
-        self.transport.retire(self._pg, self._works)
-        self._pg, self._works, self.epoch = None, [], None
-        if join_again:
-            self._ask_to_join()
-
-    def _ask_to_join(self) -> None:
-        # every request is a new incarnation: its admission key cannot be confused with an old one
-        self.me = P.Member(self.me.id, uuid.uuid4().hex[:12])
-        self.store.queue_push(P.JOIN_QUEUE, P.encode_join(self.me))
-        self._queued = True
 
     def apply(self, staged: Staged, load: Load, per_bucket: bool = False) -> Received:
         """Hand the staged version to ``load`` (an iterator of (name, tensor), or with ``per_bucket`` one
@@ -448,19 +338,27 @@ class Receiver:
         got.metrics["sync/pause_s"] = time.perf_counter() - t0
         return got
 
-    def _transfer(self, works: list[dist.Work], version: int, e: int, k: int, deadline: float) -> int:
-        """Wait for every chunk (already posted), then acknowledge: the allreduce to which this member brings
-        0 and the sender the version, so it returns the version of the push."""
+    def _transfer(self, posted: Posted, version: int, deadline: float) -> int:
+        """Wait for every chunk (already posted), and for the acknowledgement: the allreduce to which this member
+        brings 0 and the sender the version, so it returns the version of the push. Posted with the receives on an
+        in-order transport (the sender's ack then never waits for this thread to wake), else posted here."""
+        e, k = posted.epoch, posted.k
         abort = self._abort(e, k)
         what = f"version {version}" if version >= 0 else f"push {k} of epoch {e}"
-        for c in last_first(len(works)):
-            self.transport.wait(works[c], deadline, f"chunk {c} of {what}", abort, self.slice_s)
+        receives = posted.receives
+        for c in last_first(len(receives)):
+            self.transport.wait(receives[c], deadline, f"chunk {c} of {what}", abort, self.slice_s)
         # the acknowledgement (see Sender.push). The collective needs every member, so if it fails, another
         # one did (this one's bytes are all here): a victim's report
-        ack = self.transport.int64s([0])
-        self._works.append(self.transport.allreduce(self._pg, ack))
+        ack = posted.ack
+        if ack is None:
+            ack = self.transport.int64s([0])
+            self._works.append(self.transport.allreduce(self._pg, ack))
+            ack_work = self._works[-1]
+        else:
+            ack_work = posted.works[-1]
         try:
-            self.transport.wait(self._works[-1], deadline, f"the acknowledgement of {what}", abort, self.slice_s)
+            self.transport.wait(ack_work, deadline, f"the acknowledgement of {what}", abort, self.slice_s)
         except Aborted:
             raise
         except SyncError as exc:

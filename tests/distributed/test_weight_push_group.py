@@ -10,6 +10,7 @@ import faulthandler
 import hashlib
 import os
 import queue
+import signal
 import time
 import traceback
 
@@ -75,12 +76,17 @@ class _BreaksMidPush(Receiver):
     action: str
     out: object
 
-    def _transfer(self, works: list, version: int, e: int, k: int, deadline: float) -> None:
-        assert len(works) > 1
-        works[0].wait()  # mid-push
+    def _transfer(self, posted, version: int, deadline: float) -> None:
+        assert len(posted.receives) > 1
+        posted.receives[0].wait()  # mid-push
         self.out.put((self.me.id, self.action, None))
         if self.action == "die_mid_push":
             _exit(self.out, code=3)
+        # a hang of the whole process, its transport's threads too: the acknowledgement is posted behind the
+        # receives and runs without this thread, so a thread that merely stops would still hold every byte
+        self.out.close()
+        self.out.join_thread()
+        os.kill(os.getpid(), signal.SIGSTOP)
         time.sleep(3600)
 
 
@@ -262,6 +268,7 @@ def test_dead_and_hung_receivers_are_named_then_group_rebuilt_and_late_joiner_se
     assert time.monotonic() - t0 < PUSH_TIMEOUT_S + 2.0
     assert info.value.missing == ["gen2"] and info.value.failed_members == ["gen2"], str(info.value)
     members.wait_for("gen2", "hang_mid_push")
+    members.procs["gen2"].kill()  # stopped (SIGSTOP): only SIGKILL ends it
     members.wait_any("gen0", ("received", "recv_failed"))
     sender.drop(["gen2"])
 

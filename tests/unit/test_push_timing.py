@@ -68,3 +68,16 @@ def test_a_load_that_waited_for_the_version_applies_from_when_it_arrived() -> No
     (row,) = served_timeline([push(7, 0, 10.004, push_s=0.004)], [{"gen0": 10.019}], intervals, poll_s=0.005)
     assert row["apply_s"] == pytest.approx(0.017) and row["staged_s"] == pytest.approx(0.003)
     assert row["held"] and row["between_s"] == pytest.approx(-0.001)  # held by the member before the last ack
+
+
+def test_steps_begun_on_old_weights_after_the_acknowledgement_are_counted() -> None:
+    # acknowledged at 10.0: gen0 began one step at 10.001 (the loop had asked just before) then loaded at 10.003:
+    # within the step bound; gen1 began three steps after the ack before its load: a loop that did not look
+    intervals = [{"steps": [(9.99, 10.0005), (10.001, 10.0025)], "loads": [(10.003, 10.01)]},
+                 {"steps": [(10.001, 10.002), (10.003, 10.004), (10.005, 10.006)], "loads": [(10.007, 10.015)]}]
+    rows = served_timeline([push(3, 0, 10.0)], [{"gen0": 10.009, "gen1": 10.014}], intervals, poll_s=0.0)
+    g0, g1 = rows
+    assert (g0["late_steps"], g0["held_steps"]) == (1, True)
+    assert (g1["late_steps"], g1["held_steps"]) == (3, False)
+    summary = timeline_summary(rows, [push(3, 0, 10.0)], [{"gen0": 10.009, "gen1": 10.014}], members=2)
+    assert summary["steps_held"] == 1 and summary["late_steps_max"] == 3

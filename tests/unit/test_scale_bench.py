@@ -30,7 +30,7 @@ def row(n: int, complete: bool = True, rss_sum: float = 9000.0) -> dict[str, Any
             "pss_mb_learner": 300.0, "pss_mb_sum": 900.0 * n, "machine_used_mb": 2000.0 * n, "plan_mb": 1800.0 * n,
             "step_time_s": {"step": 0.5, "wait_data": 0.3, "forward_backward": 0.15},
             "serve_quiet": {"pairs": 5 * n, "bound_held": 5 * n, "served_s": 0.02},
-            "serve_training": {"pairs": 7 * n, "bound_held": 7 * n, "served_s": 0.05, "ack_to_live_s": 0.03,
+            "serve_training": {"pairs": 7 * n, "bound_held": 7 * n, "steps_held": 6 * n, "served_s": 0.05, "ack_to_live_s": 0.03,
                                "ack_to_live_s_max": 0.06, "step_s": 0.04, "apply_s": 0.01}}
 
 
@@ -87,7 +87,7 @@ def test_the_push_target_reads_the_quiet_ratio_and_the_serving_bound(scale: Any)
 def test_push_table_marks_a_raw_broadcast_that_outlasted_training(scale: Any) -> None:
     lines = scale.push_table([row(1), row(4)]).splitlines()
     assert len(lines) == 3 and lines[1].split()[:4] == ["1+1", "4.0", "3.0", "1.33"]
-    assert "40.0*" in lines[2] and "*" not in lines[1] and lines[1].endswith("7/7")
+    assert "40.0*" in lines[2] and "*" not in lines[1] and lines[1].endswith("7/7      6/7")
 
 
 def test_full_adds_sixteen(scale: Any) -> None:
