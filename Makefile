@@ -38,7 +38,7 @@ test-gpu:
 	$(GPU_VENV)/bin/python -m pytest -q -rs -m gpu tests/gpu
 
 # bench/scale.py in full: N = 1, 2, 4, 8, 16 generators and as many learner ranks over 4 network-namespace nodes
-# (root, iproute2; an hour or more on 2 cores), one Ray/vLLM/DeepSpeed stack at a time. Not part of `make test` (its
+# (root, iproute2; 3-5 minutes on 2 cores, 2026-12-07), one Ray/vLLM/DeepSpeed stack at a time. Not part of `make test` (its
 # 8 + 8 row runs there as a cluster-tier scenario). Writes runs/scale/scale.json and docs/scale.png
 scale: $(STAMP)
 	flock /tmp/stack.lock $(VENV)/bin/python bench/scale.py --full --out runs/scale/scale.json --plot docs/scale.png

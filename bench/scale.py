@@ -26,7 +26,8 @@ bench/machine.py):
                          the broadcast plus a 1-element allreduce, every receive posted first: bench/weight_sync's
                          raw); raw_training_during: it ended before the last step did
     push_quiet_s         after training, every role idle: pushes of the same weights as the next versions, each
-    raw_quiet_s          generator serving each at once; and the raw broadcast (raw_broadcast_s, older name)
+    raw_quiet_s          generator serving each at once; and the raw broadcast (raw_broadcast_s, older name):
+                         --reps rounds of 3 raw broadcasts then 3 pushes, the medians
     serve_training       per push and generator, from the acknowledgement until it serves the version (live),
     serve_quiet          cut at the end of the engine step in progress and the start of the load (the apply):
                          medians, maxima, and how many stayed within one engine step plus the apply plus one poll

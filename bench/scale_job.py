@@ -157,7 +157,9 @@ def main() -> None:
         raw_training = during.result(cfg.sync.timeout_s)
         print("scale: trained; on the quiet fleet: the raw broadcast, the push, the all-reduce, memory", flush=True)
         records = figures["records"]
-        compared = pt.quiet_rounds(cluster, args.reps, timeout_s=cfg.sync.timeout_s)
+        # alternating blocks of 3 (--reps rounds): the quiet figures are a few ms, a drift of the shared machine's
+        # load between two blocks of 5 moved the ratio by 0.3-3x
+        compared = pt.quiet_rounds(cluster, 3, rounds=max(args.reps, 2), timeout_s=cfg.sync.timeout_s)
         raw, quiet = compared["raw"], compared["pushes"]
         pushes = pt.training_pushes(records)
         lives = pt.training_live(cluster, pushes)

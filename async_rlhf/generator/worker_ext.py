@@ -176,16 +176,12 @@ class WeightSyncWorker:
 
     def staged_version(self: LikeWorker) -> int | None:
         """The newest version received and not yet applied (-1: the last fetch failed), None if neither;
-        starts the fetch loop if needed. Cheap: the engine loop polls it. A version whose bytes are all here and
-        acknowledged counts even before the fetch thread has staged it (``Receiver.arrived``): the loop then swaps
-        at once, and :meth:`apply_update` waits the few moments the fetch thread takes once the loop stands still."""
+        starts the fetch loop if needed. Cheap: the engine loop polls it."""
         self.start_fetching()
         with self._fetched:
             if self._latest is not None:
                 return self._latest.version
-            if self._fetch_error is not None:
-                return -1
-        return self._get_receiver().arrived()
+            return -1 if self._fetch_error is not None else None
 
     def hold_staged(self: LikeWorker) -> int | None:
         """A tensor-parallel engine's first step of a swap: keep every version staged from now on loadable (the
@@ -193,12 +189,7 @@ class WeightSyncWorker:
         (-1: a failed fetch; None: none). The engine then asks every worker for one version (:func:`agreed_version`),
         so no TP worker can load another one than its peers."""
         self.start_fetching()
-        rx = self._get_receiver()
         with self._fetched:
-            if self._latest is None and self._fetch_error is None and rx.arrived() is not None:
-                # here but not staged yet (staged_version counted it): the fetch thread stages it in a moment
-                self._fetched.wait_for(lambda: self._latest is not None or self._fetch_error is not None,
-                                       timeout=rx.timeout_s)
             self._held, self._holds = True, self._holds + 1
             self._kept = {self._latest.version: self._latest} if self._latest is not None else {}
             if self._latest is not None:

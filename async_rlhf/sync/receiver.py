@@ -5,12 +5,8 @@ reused by every later push), and receives the push's chunks straight into one of
 per tensor during the transfer (the named views are built once per layout and slot). An update has two
 phases, so that the engine stands still only for the second::
 
-    fetch():  post recv(chunk 0..C-1), ack -> wait all (allreduce: learns v)    (engine keeps generating,
+    fetch():  post recv(chunk 0..C-1) -> wait all -> ack (allreduce: learns v)  (engine keeps generating,
               (the first push of an epoch: wait(store hdr k) first)               fetch runs on a thread)
-
-The ack is posted with the receives (a transport whose group runs its ops in order, as a receiver's does): it runs
-once the last chunk is here, inside the backend, so the sender's push ends without waiting for this process's
-fetch thread to wake (on a busy generator that waits for a core and the GIL: 120 of 135 ms of a push at 4+4).
     apply():  load(every bucket's named tensors) -> live key (wall time)          (engine paused between
                                                                                  two steps: the swap)
 
@@ -99,9 +95,7 @@ class Receiver(EpochFollower):
         self._slots = ReceiveSlots(buffers)
         self._cancelled = threading.Event()
         # a version waits here in host memory (NCCL: streamed through a bounded CUDA buffer, see transport.py)
-        # and the ack is posted right behind the receives (in_order: see transport.Transport.in_order)
-        self.transport = (backend if isinstance(backend, Transport)
-                          else make_transport(backend, host_arena=True, in_order=True))
+        self.transport = backend if isinstance(backend, Transport) else make_transport(backend, host_arena=True)
         backend = self.transport.name
         self.buffers = buffers
         self.me = P.Member(member_id, "")
@@ -159,19 +153,6 @@ class Receiver(EpochFollower):
         """The byte buffer of ``slot``, holding every bucket (the benchmark also receives its raw broadcast
         into slot 0)."""
         return self._slots.arena(slot, self.transport)
-
-    def arrived(self) -> int | None:
-        """The version of the push whose every byte is here and acknowledged, before :meth:`fetch` (on its
-        thread) has staged it; None if there is none, or if this member acknowledges from that thread (a transport
-        whose ops do not run in order) or holds its ack on a GPU. Cheap and safe from any thread: the engine's loop
-        asks it between steps, so a swap waits for the fetch thread only once the loop itself stands still (the
-        thread's wake-up waits for a core and the GIL while the loop runs)."""
-        posted = self._posted
-        if posted is None or posted.ack is None or posted.ack.device.type != "cpu":
-            return None
-        if not posted.works[-1].is_completed():
-            return None
-        return int(posted.ack[0])
 
     def _posted_slot(self) -> int | None:
         return self._posted.slot if self._posted is not None else None
@@ -274,15 +255,10 @@ class Receiver(EpochFollower):
         return True
 
     def _post(self, e: int, k: int, chunks: list[tuple[int, int]], arena: torch.Tensor, slot: int) -> Posted:
-        """Post the receives of every chunk of push k of epoch e into ``arena`` (slot ``slot``), on the group; on a
-        transport whose ops run in order, the acknowledgement right behind them (it runs once every chunk is here)."""
+        """Post the receives of every chunk of push k of epoch e into ``arena`` (slot ``slot``), on the group."""
         works = [self.transport.broadcast(self._pg, arena[start:end]) for start, end in chunks]
-        ack = None
-        if self.transport.in_order:
-            ack = self.transport.int64s([0])
-            works.append(self.transport.allreduce(self._pg, ack))
         self._works = works
-        return Posted(e, k, works, slot, ack)
+        return Posted(e, k, works, slot)
 
     def _abort(self, e: int, k: int) -> Callable[[], str | None]:
         aborted = P.abort_key(e, k)
@@ -339,26 +315,24 @@ class Receiver(EpochFollower):
         return got
 
     def _transfer(self, posted: Posted, version: int, deadline: float) -> int:
-        """Wait for every chunk (already posted), and for the acknowledgement: the allreduce to which this member
-        brings 0 and the sender the version, so it returns the version of the push. Posted with the receives on an
-        in-order transport (the sender's ack then never waits for this thread to wake), else posted here."""
+        """Wait for every chunk (already posted), then acknowledge: the allreduce to which this member brings
+        0 and the sender the version, so it returns the version of the push.
+
+        Not posted with the receives, though that would spare the sender this thread's wake-up: on groups that
+        run their ops in order (one gloo worker thread, so the ack cannot run before the bytes are here) it made
+        the quiet push at 8 + 8 28 ms against 9.7 posted here (raw 6.9-7.9; bench/scale.py, 2026-12-07)."""
         e, k = posted.epoch, posted.k
         abort = self._abort(e, k)
         what = f"version {version}" if version >= 0 else f"push {k} of epoch {e}"
-        receives = posted.receives
-        for c in last_first(len(receives)):
-            self.transport.wait(receives[c], deadline, f"chunk {c} of {what}", abort, self.slice_s)
+        works = posted.works
+        for c in last_first(len(works)):
+            self.transport.wait(works[c], deadline, f"chunk {c} of {what}", abort, self.slice_s)
         # the acknowledgement (see Sender.push). The collective needs every member, so if it fails, another
         # one did (this one's bytes are all here): a victim's report
-        ack = posted.ack
-        if ack is None:
-            ack = self.transport.int64s([0])
-            self._works.append(self.transport.allreduce(self._pg, ack))
-            ack_work = self._works[-1]
-        else:
-            ack_work = posted.works[-1]
+        ack = self.transport.int64s([0])
+        self._works.append(self.transport.allreduce(self._pg, ack))
         try:
-            self.transport.wait(ack_work, deadline, f"the acknowledgement of {what}", abort, self.slice_s)
+            self.transport.wait(self._works[-1], deadline, f"the acknowledgement of {what}", abort, self.slice_s)
         except Aborted:
             raise
         except SyncError as exc:

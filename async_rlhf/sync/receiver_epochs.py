@@ -16,7 +16,6 @@ import time
 import uuid
 from dataclasses import dataclass
 
-import torch
 import torch.distributed as dist
 
 from async_rlhf.sync import protocol as P
@@ -43,19 +42,13 @@ class Cancelled(SyncError):
 
 @dataclass
 class Posted:
-    """The ops posted for push ``k`` of ``epoch`` into receive slot ``slot`` (they stay posted across a fetch that
-    timed out): one receive per chunk, then, on a transport whose ops run in order, the acknowledgement (``ack``:
-    its tensor, which the allreduce fills with the version; None: the ack is posted once the receives ended)."""
+    """The receives posted for push ``k`` of ``epoch`` into receive slot ``slot``, one per chunk (they stay posted
+    across a fetch that timed out)."""
 
     epoch: int
     k: int
     works: list[dist.Work]
     slot: int
-    ack: torch.Tensor | None
-
-    @property
-    def receives(self) -> list[dist.Work]:
-        return self.works[:-1] if self.ack is not None else self.works
 
 
 class EpochFollower:

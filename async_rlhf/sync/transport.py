@@ -3,8 +3,7 @@
     Sender / Receiver (protocol: epochs, headers, acks, blame)      -- backend-free
         |  open(store, rank, world)   broadcast(group, bytes)   allreduce(group, int64[1])   wait(work, ...)
         v  every tensor checked: on ``transport.device`` or refused before the backend sees it
-    GlooTransport   CPU tensors, torch's ProcessGroupGloo, sliced waits (tested here); ``in_order`` (receivers):
-                    groups with one worker thread, so a group's ops run one after the other as posted
+    GlooTransport   CPU tensors, torch's ProcessGroupGloo, sliced waits (tested here)
     NcclTransport   CUDA tensors, vLLM's StatelessProcessGroup + PyNcclCommunicator on a stream of its own
                     (never run here: no GPU). A receiver keeps each version in pinned host memory and streams
                     every chunk through one bounded CUDA buffer (``bounce_bytes``): no second copy of the model
@@ -50,10 +49,6 @@ class Transport(ABC):
     name: ClassVar[str]
     survives_member_loss: ClassVar[bool]
     """True: after a failed push the sender rebuilds the group without the culprit; False: the run stops."""
-    in_order: bool = False
-    """A group's ops run one at a time in the order they were posted: a receiver then posts its acknowledgement
-    right behind its receives (it runs once every byte is here, with no thread of the receiver's woken first:
-    on a busy generator that wake-up waits for a core and the GIL). Else it posts the ack once its receives ended."""
 
     def __init__(self, device: torch.device | str) -> None:
         self.device = torch.device(device)
@@ -111,26 +106,17 @@ class Transport(ABC):
 
 
 class GlooTransport(Transport):
-    """The CPU path: torch's gloo group, sliced waits, groups with abandoned ops kept alive.
-
-    ``in_order`` (a receiver's): its groups run their ops on one worker thread, one after the other as posted (a
-    ProcessGroupGloo queues ops and hands them to its worker threads in order; the default two threads would run
-    a receive and the ack posted behind it at once). Gloo's options are set through ``ProcessGroupGloo._Options``
-    (torch has no public spelling of the thread count); where a torch lacks it the groups are the default ones and
-    ``in_order`` reads False, so receivers post their ack after their receives, as before."""
+    """Today's CPU path, unchanged: torch's gloo group, sliced waits, groups with abandoned ops kept alive."""
 
     name = "gloo"
     survives_member_loss = True
 
-    def __init__(self, device: torch.device | str = "cpu", in_order: bool = False) -> None:
+    def __init__(self, device: torch.device | str = "cpu") -> None:
         super().__init__(device)
-        self.in_order = in_order and _one_thread_options_supported()
 
     def open(self, store: Any, rank: int, world: int, timeout_s: float, names: Sequence[str] | None = None) -> Any:
         import torch.distributed as dist
 
-        if self.in_order:
-            return dist.ProcessGroupGloo(store, rank, world, _one_thread_options(timeout_s))
         return dist.ProcessGroupGloo(store, rank, world, G.seconds(timeout_s))
 
     def _broadcast(self, group: Any, tensor: torch.Tensor, root: int) -> Any:
@@ -145,31 +131,6 @@ class GlooTransport(Transport):
 
     def retire(self, group: Any, pending: list[Any]) -> None:
         G.retire(group, pending)
-
-
-def _one_thread_options_supported() -> bool:
-    import torch.distributed as dist
-
-    options = getattr(dist.ProcessGroupGloo, "_Options", None)
-    return options is not None and all(hasattr(options(), a) for a in ("_threads", "_timeout", "_devices"))
-
-
-def _one_thread_options(timeout_s: float) -> Any:
-    """What torch's ``ProcessGroupGloo(store, rank, size, timeout)`` builds (the devices of ``GLOO_SOCKET_IFNAME``,
-    else the one of this host's name), with one worker thread instead of two."""
-    import os
-
-    import torch.distributed as dist
-
-    opts = dist.ProcessGroupGloo._Options()
-    opts._timeout = G.seconds(timeout_s)
-    opts._threads = 1
-    ifnames = os.environ.get("GLOO_SOCKET_IFNAME", "")
-    if len(ifnames) > 1:  # as torch's constructor reads it (one character or none: unset)
-        opts._devices = [dist.ProcessGroupGloo.create_device(interface=i) for i in ifnames.split(",")]
-    else:
-        opts._devices = [dist.ProcessGroupGloo.create_default_device()]
-    return opts
 
 
 class _CudaWork:
@@ -199,7 +160,6 @@ class NcclTransport(Transport):
 
     name = "nccl"
     survives_member_loss = False
-    in_order = True  # every op of a group is enqueued on the transport's one stream
     POLL_S = 0.0005
     BOUNCE_BYTES = 64 << 20
 
@@ -315,13 +275,11 @@ def wait_polled(done: Callable[[], bool], deadline: float, what: str, abort: Cal
         time.sleep(poll_s)
 
 
-def make_transport(backend: str, device: torch.device | str | None = None, host_arena: bool = False,
-                   in_order: bool = False) -> Transport:
+def make_transport(backend: str, device: torch.device | str | None = None, host_arena: bool = False) -> Transport:
     """The transport for ``sync.backend``; ``device`` defaults to CPU for gloo and the current CUDA device for
-    nccl. ``host_arena`` (receivers): keep received versions in host memory (gloo always does). ``in_order``
-    (receivers): groups whose ops run in the order posted (see :attr:`Transport.in_order`; nccl's always do)."""
+    nccl. ``host_arena`` (receivers): keep received versions in host memory (gloo always does)."""
     if backend == "gloo":
-        return GlooTransport(device or "cpu", in_order=in_order)
+        return GlooTransport(device or "cpu")
     if backend == "nccl":
         return NcclTransport(device, host_arena=host_arena)
     raise ValueError(f"sync.backend={backend!r} is not a weight transport: use gloo (CPU) or nccl (GPU)")

@@ -77,13 +77,12 @@ class _BreaksMidPush(Receiver):
     out: object
 
     def _transfer(self, posted, version: int, deadline: float) -> None:
-        assert len(posted.receives) > 1
-        posted.receives[0].wait()  # mid-push
+        assert len(posted.works) > 1
+        posted.works[0].wait()  # mid-push
         self.out.put((self.me.id, self.action, None))
         if self.action == "die_mid_push":
             _exit(self.out, code=3)
-        # a hang of the whole process, its transport's threads too: the acknowledgement is posted behind the
-        # receives and runs without this thread, so a thread that merely stops would still hold every byte
+        # a hang of the whole process, its transport's threads too (as a frozen or swapped-out process hangs)
         self.out.close()
         self.out.join_thread()
         os.kill(os.getpid(), signal.SIGSTOP)

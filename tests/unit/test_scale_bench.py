@@ -30,7 +30,8 @@ def row(n: int, complete: bool = True, rss_sum: float = 9000.0) -> dict[str, Any
             "pss_mb_learner": 300.0, "pss_mb_sum": 900.0 * n, "machine_used_mb": 2000.0 * n, "plan_mb": 1800.0 * n,
             "step_time_s": {"step": 0.5, "wait_data": 0.3, "forward_backward": 0.15},
             "serve_quiet": {"pairs": 5 * n, "bound_held": 5 * n, "served_s": 0.02},
-            "serve_training": {"pairs": 7 * n, "bound_held": 7 * n, "steps_held": 6 * n, "served_s": 0.05, "ack_to_live_s": 0.03,
+            "serve_training": {"pairs": 7 * n, "bound_held": 7 * n, "steps_held": 6 * n, "served_s": 0.05,
+                               "ack_to_live_s": 0.03,
                                "ack_to_live_s_max": 0.06, "step_s": 0.04, "apply_s": 0.01}}
 
 
