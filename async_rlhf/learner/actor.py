@@ -34,7 +34,7 @@ from async_rlhf.config import Config
 from async_rlhf.learner.dpo_update import online_dpo_update
 from async_rlhf.learner.pg_update import policy_gradient_update
 from async_rlhf.learner.probes import FleetProbes
-from async_rlhf.learner.ranks import max_over_ranks, max_tensor_over_ranks, reduce_across_ranks, sum_over_ranks
+from async_rlhf.learner.ranks import max_over_ranks, reduce_across_ranks, sum_over_ranks
 from async_rlhf.learner.saving import Checkpointing
 from async_rlhf.timeline import Timeline
 
@@ -301,11 +301,9 @@ class LearnerActor(FleetProbes, Checkpointing):
                         **m, **push,
                     }
                     agreement = self._agreement  # the training/inference agreement monitor of this step
-                    if self.world_size > 1:
-                        agreement.reduce(sum_over_ranks, max_tensor_over_ranks)  # token-weighted over every rank
+                    if self.world_size > 1:  # with the agreement's sums: token-weighted over every rank
+                        reduce_across_ranks(record, agreement)
                     record.update(agreement.metrics())
-                    if self.world_size > 1:
-                        reduce_across_ranks(record)
                 if ckpt.due(self.step) or _ == steps - 1 or self.step == self._stop_at:  # due(): on every rank
                     with self._phase("checkpoint"):
                         record["checkpoint/step"] = self.step

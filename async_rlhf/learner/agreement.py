@@ -76,17 +76,26 @@ class Agreement:
         self.sampled_sum += float(torch.where(valid, behav_logp.double(), 0.0).sum())
         self.sampled_tokens += float(valid.sum())
 
+    def partials(self) -> tuple[list[float], list[float]]:
+        """This rank's sums and maxima, to be combined over the ranks (:meth:`take_reduced`)."""
+        return ([self.mismatch_sum, self.same_tokens, self.ratio_sum, self.ratio_tokens, self.sampled_sum,
+                 self.sampled_tokens], [self.mismatch_max])
+
+    def take_reduced(self, sums: list[float], maxima: list[float]) -> None:
+        """Hold the sums and maxima of every rank (what :meth:`partials` gave, combined): means are then
+        token-weighted over the ranks."""
+        (self.mismatch_sum, self.same_tokens, self.ratio_sum, self.ratio_tokens, self.sampled_sum,
+         self.sampled_tokens) = sums
+        (self.mismatch_max,) = maxima
+
     def reduce(self, sum_: Callable[[Tensor], None], max_: Callable[[Tensor], None]) -> None:
         """Make the sums those of every rank: ``sum_``/``max_`` all-reduce a float64 CPU tensor in place
-        (collective: every rank calls this, in the same order). Means are then token-weighted over ranks."""
-        sums = torch.tensor([self.mismatch_sum, self.same_tokens, self.ratio_sum, self.ratio_tokens,
-                             self.sampled_sum, self.sampled_tokens], dtype=torch.float64)
+        (collective: every rank calls this, in the same order). The learner reduces them together with its step's
+        record instead, in one collective (``learner.ranks.reduce_step``)."""
+        sums, maxima = (torch.tensor(v, dtype=torch.float64) for v in self.partials())
         sum_(sums)
-        (self.mismatch_sum, self.same_tokens, self.ratio_sum, self.ratio_tokens, self.sampled_sum,
-         self.sampled_tokens) = sums.tolist()
-        top = torch.tensor([self.mismatch_max], dtype=torch.float64)
-        max_(top)
-        self.mismatch_max = float(top.item())
+        max_(maxima)
+        self.take_reduced(sums.tolist(), maxima.tolist())
 
     def metrics(self) -> dict[str, float]:
         def mean(total: float, count: float) -> float:

@@ -22,24 +22,40 @@ AVERAGED = ("rollout/reward_mean", "staleness/mean", "optim/loss", "rollout/task
 MAXED = ("staleness/max",)
 
 
-def reduce_across_ranks(record: dict[str, Any]) -> None:
+def reduce_across_ranks(record: dict[str, Any], agreement: Any = None) -> None:
     """Make a step's record describe the whole step, not one rank's share: counts summed, means averaged
     (every rank trains the same number of groups), maxima taken over ranks; in place, collective on every
-    rank of the learners' default group."""
-    import torch
+    rank of the learners' default group. ``agreement`` (the step's training/inference agreement monitor,
+    learner/agreement.py): its sums and maxima are combined in the same collective.
+
+    One collective for all of it (an all-gather of every rank's values, summed and maximised here): at 16 + 16 on
+    2 cores each small collective of the learners' group took 30-80 ms, and a step made four of them."""
     import torch.distributed as dist
 
     world = dist.get_world_size()
     keys = [k for k in SUMMED + AVERAGED if k in record]
-    device = group_device()
-    sums = torch.tensor([float(record[k]) for k in keys], dtype=torch.float64, device=device)
-    dist.all_reduce(sums, op=dist.ReduceOp.SUM)
-    maxima = torch.tensor([float(record.get(k, 0)) for k in MAXED], dtype=torch.float64, device=device)
-    dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
-    for k, v in zip(keys, sums.tolist()):
+    part_sums, part_max = agreement.partials() if agreement is not None else ([], [])
+    sums, maxima = sum_and_max_over_ranks([float(record[k]) for k in keys] + part_sums,
+                                          [float(record.get(k, 0)) for k in MAXED] + part_max)
+    for k, v in zip(keys, sums):
         record[k] = int(v) if k in SUMMED else v / world
-    record.update({k: int(v) for k, v in zip(MAXED, maxima.tolist())})
+    record.update({k: int(v) for k, v in zip(MAXED, maxima)})
+    if agreement is not None:
+        agreement.take_reduced(sums[len(keys):], maxima[len(MAXED):])
     record["learner_ranks"] = world
+
+
+def sum_and_max_over_ranks(sums: list[float], maxima: list[float]) -> tuple[list[float], list[float]]:
+    """``sums`` summed and ``maxima`` maximised element-wise over the learner ranks, in one all-gather."""
+    import torch
+    import torch.distributed as dist
+
+    mine = torch.tensor(sums + maxima, dtype=torch.float64, device=group_device())
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    table = torch.stack(every).cpu()
+    n = len(sums)
+    return table[:, :n].sum(dim=0).tolist(), table[:, n:].max(dim=0).values.tolist() if maxima else []
 
 
 def sum_over_ranks(counts: Any) -> None:

@@ -33,11 +33,10 @@ def test_records_are_reduced_across_ranks(reduced) -> None:
     assert rec["learner_ranks"] == 2 and rec["step"] == 7
 
 
-def _agreement(rank: int) -> dict:
+def _observed(rank: int):
     import torch
 
     from async_rlhf.learner.agreement import Agreement
-    from async_rlhf.learner.ranks import max_tensor_over_ranks, sum_over_ranks
 
     a = Agreement(2)  # rank 0: 3 same-version tokens off by 0.1 each; rank 1: one off by 2.0, one of version 1
     if rank == 0:
@@ -48,11 +47,29 @@ def _agreement(rank: int) -> dict:
         versions, mask = torch.tensor([[2, 0], [1, 0]]), torch.tensor([[1.0, 0.0], [1.0, 0.0]])
     a.observe(logp, behav, versions, mask)
     a.observe_sampled(behav, mask)
+    return a
+
+
+def _agreement(rank: int) -> dict:
+    from async_rlhf.learner.ranks import max_tensor_over_ranks, sum_over_ranks
+
+    a = _observed(rank)
     a.reduce(sum_over_ranks, max_tensor_over_ranks)
     return a.metrics()
 
 
-SCENARIOS = {"record": _record, "agreement": _agreement}
+def _together(rank: int) -> dict:
+    """The learner's step: the record and the agreement monitor reduced in one collective."""
+    from async_rlhf.learner.ranks import reduce_across_ranks
+
+    record = {"rollout/samples": 64, "rollout/tokens": 100 + rank, "rollout/reward_mean": 0.25 + 0.5 * rank,
+              "staleness/mean": 1.0 * rank, "staleness/max": 3 * rank, "optim/loss": 2.0, "step": 7}
+    a = _observed(rank)
+    reduce_across_ranks(record, a)
+    return {**record, **a.metrics()}
+
+
+SCENARIOS = {"record": _record, "agreement": _agreement, "together": _together}
 
 
 def _rank(rank: int, port: int, out: "mp.Queue") -> None:
@@ -105,3 +122,12 @@ def test_the_agreement_monitor_is_token_weighted_over_ranks(reduced) -> None:
     assert m["rollout/logp_mismatch_mean"] == pytest.approx((0.3 + 2.0) / 4)  # not (0.1 + 2.0) / 2
     assert m["rollout/logp_mismatch_max"] == pytest.approx(2.0)
     assert m["rollout/sampled_logp_mean"] == pytest.approx((-3.1 - 3.0 - 1.0) / 5)
+
+
+def test_record_and_agreement_reduced_in_one_collective_read_as_each_alone(reduced) -> None:
+    together = reduced("together")
+    assert together[0] == together[1]
+    alone = {**reduced("record")[0], **reduced("agreement")[0]}
+    assert together[0].keys() == alone.keys()
+    for k, v in alone.items():
+        assert together[0][k] == pytest.approx(v), k
