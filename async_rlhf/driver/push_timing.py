@@ -46,7 +46,8 @@ def _members(cluster: Any) -> list[str]:
 # -- run inside the actors (through __ray_call__: the first argument is the actor instance) -----------------------
 def _worker_instrument(worker: Any) -> None:
     """In a generator's vLLM worker: its receiver's fetch (the fetch thread calls it each time through the
-    attribute) logs when it returned which version: when this member held the bytes and had acknowledged."""
+    attribute) logs when it returned which version (this member held the bytes and had acknowledged), and how
+    long before that its thread saw the first chunk (``sync/transfer_s``) and every byte (``sync/ack_s``)."""
     from collections import deque
 
     rx = worker._receiver  # vLLM's worker wrapper hands unknown attributes to the worker (worker_ext.py's)
@@ -57,7 +58,8 @@ def _worker_instrument(worker: Any) -> None:
 
     def timed_fetch(*args: Any, **kwargs: Any) -> Any:
         staged = fetch(*args, **kwargs)
-        fetches.append((time.time(), int(staged.version)))
+        fetches.append((time.time(), int(staged.version), float(staged.metrics.get("sync/transfer_s", 0.0)),
+                        float(staged.metrics.get("sync/ack_s", 0.0))))
         return staged
 
     rx.fetch, rx._push_timing_fetches = timed_fetch, fetches
@@ -114,7 +116,7 @@ def _steps_done(learner: Any) -> int:
     return len(learner.metrics)
 
 
-def _raw_send(learner: Any, world: int, tag: str, reps: int) -> dict[str, Any]:
+def _raw_send(learner: Any, world: int, tag: str, reps: int, idle_s: float = 0.0) -> dict[str, Any]:
     from async_rlhf.sync.group import connect_store
     from async_rlhf.sync.raw import raw_send
 
@@ -122,7 +124,7 @@ def _raw_send(learner: Any, world: int, tag: str, reps: int) -> dict[str, Any]:
     store = connect_store(sender.host, sender.port, timeout_s)
     nbytes = sum(b.nbytes for b in learner._buckets)
     t0 = time.time()
-    seconds = raw_send(store, sender.transport, nbytes, world, tag, reps, timeout_s)
+    seconds = raw_send(store, sender.transport, nbytes, world, tag, reps, timeout_s, idle_s)
     return {"bytes": nbytes, "seconds": seconds, "t_start": t0, "t_end": time.time()}
 
 
@@ -203,9 +205,10 @@ def generator_intervals(cluster: Any) -> list[dict[str, list[tuple[float, float]
     return ray.get([g.__ray_call__.remote(_intervals) for g in cluster.generators])
 
 
-def raw_broadcast(cluster: Any, reps: int) -> dict[str, Any]:
+def raw_broadcast(cluster: Any, reps: int, idle_s: float = 0.0) -> dict[str, Any]:
     """``reps`` raw broadcasts (after a warm-up) of the push's bytes from learner rank 0 to every generator worker:
-    the median seconds, each repetition's, the bytes and when they ran (wall times)."""
+    the median seconds, each repetition's, the bytes and when they ran (wall times). ``idle_s``: each starts that
+    long after every member posted (:func:`async_rlhf.sync.raw.raw_send`)."""
     import ray
 
     from async_rlhf.sync.layout import layout_from_wire
@@ -214,7 +217,7 @@ def raw_broadcast(cluster: Any, reps: int) -> dict[str, Any]:
     tag = uuid.uuid4().hex[:12]
     nbytes = sum(b.nbytes for b in layout_from_wire(cluster.layout))
     receives = [g.__ray_call__.remote(_raw_receive, tag, members, nbytes, reps) for g in cluster.generators]
-    sent = ray.get(cluster.learners[0].__ray_call__.remote(_raw_send, len(members) + 1, tag, reps))
+    sent = ray.get(cluster.learners[0].__ray_call__.remote(_raw_send, len(members) + 1, tag, reps, idle_s))
     ray.get(receives)
     if sent["bytes"] != nbytes:
         raise RuntimeError(f"the learner pushes {sent['bytes']} bytes, the layout handed out says {nbytes}")
@@ -269,17 +272,23 @@ def quiet_push(cluster: Any, reps: int, timeout_s: float = 120.0, settle_s: floa
     return pushes[1:]
 
 
-def quiet_rounds(cluster: Any, reps: int, rounds: int = 2, timeout_s: float = 120.0) -> dict[str, Any]:
-    """``rounds`` times, ``reps`` raw broadcasts then ``reps`` pushes, on the quiet fleet (alternating blocks: a
-    drift of the machine's load reaches both); the raw broadcasts' seconds, the pushes (:func:`quiet_push`)."""
+def quiet_rounds(cluster: Any, reps: int, rounds: int = 2, timeout_s: float = 120.0,
+                 settle_s: float = 0.2) -> dict[str, Any]:
+    """``rounds`` times: ``reps`` raw broadcasts sent as soon as every member posted (``at_once``), ``reps`` raw
+    broadcasts sent ``settle_s`` after (``raw``: like with like, as each push starts ``settle_s`` after the last
+    one was served), then ``reps`` pushes, on the quiet fleet (alternating blocks: a drift of the machine's load
+    reaches all three); the raw broadcasts' seconds, the pushes (:func:`quiet_push`)."""
+    at_once: list[float] = []
     raws: list[float] = []
     pushes: list[dict[str, Any]] = []
     raw: dict[str, Any] = {}
     for _ in range(rounds):
-        raw = raw_broadcast(cluster, reps)
+        at_once += raw_broadcast(cluster, reps)["seconds"]
+        raw = raw_broadcast(cluster, reps, idle_s=settle_s)
         raws += raw["seconds"]
-        pushes += quiet_push(cluster, reps, timeout_s)
-    return {"raw": {**raw, "raw_s": _median(raws), "seconds": raws}, "pushes": pushes}
+        pushes += quiet_push(cluster, reps, timeout_s, settle_s)
+    return {"raw": {**raw, "raw_s": _median(raws), "seconds": raws, "idle_s": settle_s,
+                    "at_once_s": _median(at_once), "at_once_seconds": at_once}, "pushes": pushes}
 
 
 def training_pushes(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -357,11 +366,11 @@ def served_timeline(pushes: list[dict[str, Any]], lives: list[dict[str, float]],
             logs = intervals[_generator_of(member)]
             step = _containing([tuple(s) for s in logs["steps"]], t_ack)
             load = _containing([tuple(x) for x in logs["loads"]], t_live)
-            fetched = [t for t, v in logs.get("fetches", {}).get(member, []) if v == version]
+            fetched = [f for f in logs.get("fetches", {}).get(member, []) if f[1] == version]
             polls = logs.get("polls", [])
             # a load that began before this member held the version waited inside for it (a quiet generator's
             # does: _load_version waits on the fetch thread): its apply starts when the fetch returned
-            held_at = fetched[0] if fetched else t_start
+            held_at = fetched[0][0] if fetched else t_start
             load_start = max(load[0], held_at) if load else t_live
             i = _last_before([t for t, _ in polls], load_start)
             asked = polls[i][0] if i >= 0 and polls[i][0] >= t_ack - 1.0 else load_start
@@ -376,13 +385,23 @@ def served_timeline(pushes: list[dict[str, Any]], lives: list[dict[str, float]],
                         if _containing([tuple(x) for x in logs["steps"]], t_start) else "other")
             rows.append({"version": version, "member": member, "start": t_start, "ack": t_ack, "live": t_live,
                          "at_start": at_start,
-                         "push_s": float(p["sync/push_s"]), "staged_s": fetched[0] - t_start if fetched else -1.0,
+                         "push_s": float(p["sync/push_s"]), "staged_s": held_at - t_start if fetched else -1.0,
+                         **_fetch_phases(fetched[0] if fetched else None, t_start),
                          "wait_s": wait_s, "step_s": step_s, "step_left_s": step_end - t_ack if step else 0.0,
                          "asked_s": asked - step_end, "between_s": load_start - step_end, "apply_s": apply_s,
                          "loop_state": _busiest_state(logs.get("states", []), step_end, asked),
                          "bound_s": bound_s, "held": wait_s <= bound_s, "late_steps": late_steps,
                          "held_steps": late_steps <= 1})
     return rows
+
+
+def _fetch_phases(fetch: list[float] | tuple | None, t_start: float) -> dict[str, float]:
+    """From the push's start until this member's fetch thread saw its first chunk (``first_s``) and every byte
+    (``bytes_s``); -1 where the fetch was not logged (or logged without them)."""
+    if not fetch or len(fetch) < 4:
+        return {"first_s": -1.0, "bytes_s": -1.0}
+    t, _v, transfer_s, ack_s = fetch[:4]
+    return {"first_s": t - transfer_s - t_start, "bytes_s": t - ack_s - t_start}
 
 
 def timeline_summary(rows: list[dict[str, Any]], pushes: list[dict[str, Any]], lives: list[dict[str, float]],
@@ -404,6 +423,8 @@ def timeline_summary(rows: list[dict[str, Any]], pushes: list[dict[str, Any]], l
             "between_s": _median(col("between_s")), "between_s_max": max(col("between_s"), default=0.0),
             "staged_s": _median([x for x in col("staged_s") if x >= 0]), "staged_s_max": max(col("staged_s"),
                                                                                               default=0.0),
+            "first_s": _median([x for x in col("first_s") if x >= 0]) if rows and "first_s" in rows[0] else -1.0,
+            "bytes_s": _median([x for x in col("bytes_s") if x >= 0]) if rows and "bytes_s" in rows[0] else -1.0,
             "loop_states_late": _count([r["loop_state"] for r in rows if not r["held"]]),
             "staged_s_by_state_at_start": {
                 state: {"pairs": len(v), "median": _median(v), "max": max(v)}

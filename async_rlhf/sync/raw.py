@@ -5,7 +5,7 @@
     members keep their receives for the next push posted on the push group, where a raw broadcast would land)
     per repetition r (the first is a warm-up, not returned):
                                                       post the receive of the broadcast, then set ready/<r>/<rank>
-    wait until every member is ready
+    wait until every member is ready (then ``idle_s`` more, as a push waits after the last one)
     t0 -> broadcast(nbytes) -> wait -> allreduce(int64[1]) -> wait -> seconds        wait for both
                                                       (the allreduce: "every member has it", as the push's ack)
 
@@ -36,9 +36,16 @@ def _ready(r: int, rank: int) -> str:
 
 
 def raw_send(store: Any, transport: Transport, nbytes: int, world: int, tag: str, reps: int,
-             timeout_s: float) -> list[float]:
+             timeout_s: float, idle_s: float = 0.0) -> list[float]:
     """Rank 0: ``reps`` timed broadcasts of ``nbytes`` (after one warm-up) to the ``world - 1`` members that call
-    :func:`raw_receive` with the same ``tag``; returns the seconds of each (broadcast plus the 1-element allreduce)."""
+    :func:`raw_receive` with the same ``tag``; returns the seconds of each (broadcast plus the 1-element allreduce).
+
+    ``idle_s``: each broadcast starts that long after the last member posted its receive, not at once: a push
+    measured on an idle fleet starts after the members have waited (bench/scale.py's quiet pushes: 0.2 s), and on
+    a virtual machine whose cores went idle meanwhile every hop then waits for a core to wake (measured at 8 + 8
+    here: 42-54 ms pushes against 9-11 ms raw broadcasts sent at once; 10.5 against 7.6 with the cores kept busy)."""
+    if idle_s < 0:
+        raise ValueError(f"idle_s must be >= 0, got {idle_s}")
     if world < 2 or reps < 1 or nbytes < 1:
         raise ValueError(f"a raw broadcast needs a member, a repetition and a byte: world={world}, reps={reps}, "
                          f"nbytes={nbytes}")
@@ -51,6 +58,8 @@ def raw_send(store: Any, transport: Transport, nbytes: int, world: int, tag: str
     seconds = []
     for r in range(reps + 1):
         store_wait(prefixed, [_ready(r, rank) for rank in range(1, world)], deadline, f"raw broadcast {r}'s members")
+        if idle_s:
+            time.sleep(idle_s)
         t0 = time.perf_counter()
         transport.wait(transport.broadcast(group, data), deadline, f"raw broadcast {r}")
         transport.wait(transport.allreduce(group, transport.int64s([0])), deadline, f"raw broadcast {r}'s allreduce")

@@ -115,7 +115,8 @@ class Receiver(EpochFollower):
         posted at once (the fast path), into that buffer even if this member changed its layout since (it then
         refuses that push, once acknowledged)."""
         self._posted: Posted | None = None
-        """What is posted for the next push (its receives, and its ack on an in-order transport)."""
+        """What is posted for the next push (its receives)."""
+        self._bytes_here = 0.0  # when the last push's bytes were all here (perf_counter): its ack took the rest
         self.use_layout(buckets)
         track(self)
 
@@ -212,6 +213,7 @@ class Receiver(EpochFollower):
             posted = self._posted
             slot = posted.slot
             got = self._transfer(posted, version, deadline)
+            t_acked = time.perf_counter()
             self._posted = None
             if header is not None and got != version:
                 raise SyncError(f"the acknowledgement carries version {got}, the store header said {version}")
@@ -233,7 +235,7 @@ class Receiver(EpochFollower):
         self._expect = (e, self.chunks, self.arena(slot), self.layout_digest)
         self._slots.staged_into(slot, version)
         return Staged(version, e, k, slot, {"sync/wait_header_s": t_header - t0, "sync/preposted": float(preposted),
-                                      "sync/transfer_s": time.perf_counter() - t_header})
+                                      "sync/transfer_s": t_acked - t_header, "sync/ack_s": t_acked - self._bytes_here})
 
     def prepost(self, keep_staged: bool = False) -> bool:
         """Post the receives of this epoch's next push now, if that is possible (gloo, and this member received
@@ -327,6 +329,7 @@ class Receiver(EpochFollower):
         works = posted.works
         for c in last_first(len(works)):
             self.transport.wait(works[c], deadline, f"chunk {c} of {what}", abort, self.slice_s)
+        self._bytes_here = time.perf_counter()
         # the acknowledgement (see Sender.push). The collective needs every member, so if it fails, another
         # one did (this one's bytes are all here): a victim's report
         ack = self.transport.int64s([0])

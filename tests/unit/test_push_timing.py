@@ -81,3 +81,19 @@ def test_steps_begun_on_old_weights_after_the_acknowledgement_are_counted() -> N
     assert (g1["late_steps"], g1["held_steps"]) == (3, False)
     summary = timeline_summary(rows, [push(3, 0, 10.0)], [{"gen0": 10.009, "gen1": 10.014}], members=2)
     assert summary["steps_held"] == 1 and summary["late_steps_max"] == 3
+
+
+def test_when_a_member_first_saw_the_push_and_held_every_byte() -> None:
+    # pushed at 9.99 (acknowledged at 10.0 after 10 ms); gen0's fetch returned at 10.04 having seen the first chunk
+    # 38 ms before (transfer_s) and every byte 35 ms before (ack_s): the bytes were here at 10.005, the ack took
+    # the rest. A fetch logged without them (an older log) reads -1
+    intervals = [{"steps": [], "loads": [(10.04, 10.05)], "fetches": {"gen0": [(10.04, 3, 0.038, 0.035)],
+                                                                        "gen1": [(10.02, 3)]}, "polls": []}]
+    rows = served_timeline([push(3, 0, 10.0, push_s=0.01)], [{"gen0": 10.05, "gen1": 10.05}],
+                           [intervals[0], intervals[0]], poll_s=0.0)
+    g0, g1 = rows
+    assert g0["first_s"] == pytest.approx(0.012) and g0["bytes_s"] == pytest.approx(0.015)
+    assert g0["staged_s"] == pytest.approx(0.05)
+    assert g1["first_s"] == -1.0 and g1["bytes_s"] == -1.0
+    summary = timeline_summary(rows, [push(3, 0, 10.0, push_s=0.01)], [{"gen0": 10.05, "gen1": 10.05}], members=2)
+    assert summary["bytes_s"] == pytest.approx(0.015) and summary["first_s"] == pytest.approx(0.012)

@@ -5,6 +5,7 @@ A stand-in transport (the real gloo path runs in tests/cluster's 8 + 8 scenario)
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch.distributed as dist
@@ -75,3 +76,20 @@ def test_bad_arguments_are_refused() -> None:
         raw_receive(store, Logged(3, []), 3, 3, 10, "t", 1, 1.0)
     with pytest.raises(ValueError, match="tag"):
         raw_send(store, Logged(0, []), 10, 2, "a/b", 1, 1.0)
+
+
+def test_each_broadcast_waits_idle_s_after_the_members_posted_and_the_wait_is_not_timed() -> None:
+    store, log, members, reps, idle_s = dist.HashStore(), [], 2, 2, 0.05
+    threads = [threading.Thread(target=raw_receive, args=(store, Logged(r, log), r, members + 1, 100, "t2", reps,
+                                                          30.0)) for r in range(1, members + 1)]
+    for t in threads:
+        t.start()
+    t0 = time.perf_counter()
+    seconds = raw_send(store, Logged(0, log, members), 100, members + 1, "t2", reps, 30.0, idle_s=idle_s)
+    elapsed = time.perf_counter() - t0
+    for t in threads:
+        t.join(30)
+    assert elapsed >= (reps + 1) * idle_s  # the warm-up waits too
+    assert all(s < idle_s for s in seconds), seconds  # the stand-in's ops take no time; the wait is left out
+    with pytest.raises(ValueError, match="idle_s"):
+        raw_send(store, Logged(0, []), 10, 2, "t3", 1, 1.0, idle_s=-1.0)
