@@ -91,7 +91,8 @@ def test_critic_values_and_update_equal_one_forward_under_any_budget(value_model
             scale = grads0[name].abs().max().item()
             torch.testing.assert_close(g, grads0[name], rtol=1e-4, atol=1e-6 * scale, msg=f"budget {budget} {name}")
         for key in ("critic/value_loss", "critic/clip_frac", "critic/values_mean", "critic/explained_variance"):
-            assert metrics[key] == pytest.approx(metrics0[key], rel=1e-5, abs=1e-7), (budget, key)
+            # float32 sums in another chunking: 1.2e-5 relative on a 2-core Xeon (2026-12-07), within 1e-5 on EPYC
+            assert metrics[key] == pytest.approx(metrics0[key], rel=1e-4, abs=1e-7), (budget, key)
         assert boundaries == [False] * (len(boundaries) - 1) + [True]  # one accumulation boundary: the last
     # the budget is applied: fewer tokens per forward, more forwards (no-grad values and training alike)
     counts = [(results[b][1], results[b][2]) for b in BUDGETS]
