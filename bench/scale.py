@@ -29,9 +29,10 @@ bench/machine.py):
     raw_quiet_s          generator serving each at once, each push 0.2 s after the last was served; and the raw
                          broadcast (raw_broadcast_s, older name), each sent 0.2 s (raw_quiet_idle_s) after every
                          member posted, as the push: --reps rounds of 3 raw broadcasts sent at once
-                         (raw_quiet_at_once_s), 3 sent after the wait and 3 pushes, the medians. The wait matters
-                         on a virtual machine: an idle core wakes late (at 8 + 8 here, raw at once 9 ms against
-                         pushes of 42-54 ms after the wait; 10.5 against 7.6 with the cores kept busy)
+                         (raw_quiet_at_once_s), 3 sent after the wait and 3 pushes, the medians;
+                         push_quiet_sender_run_delay_s: per push the longest any thread of the sender's process
+                         waited for a core (schedstat), the median: on shared cores the generators' loads of the
+                         version start as each acknowledges and the sender's last hop waits behind them
     serve_training       per push and generator, from the acknowledgement until it serves the version (live),
     serve_quiet          cut at the end of the engine step in progress and the start of the load (the apply):
                          medians, maxima, and how many stayed within one engine step plus the apply plus one poll
@@ -177,7 +178,7 @@ def table(rows: list[dict[str, Any]]) -> str:
 def push_table(rows: list[dict[str, Any]]) -> str:
     """The push against the raw broadcast, ms (medians): quiet fleet, then during training (sent / ack wait), then
     from acknowledgement to live (median and max over pushes x generators) and the pairs within the bound."""
-    head = (f"{'N+N':>5} {'push_q':>7} {'raw_q':>7} {'ratio':>6} {'raw_0':>6} {'bytes':>6} {'push_t':>7} "
+    head = (f"{'N+N':>5} {'push_q':>7} {'raw_q':>7} {'ratio':>6} {'raw_0':>6} {'bytes':>6} {'queue':>6} {'push_t':>7} "
             f"{'sent':>6} {'ack':>6} {'raw_t':>7} "
             f"{'serve_q':>8} {'serve_t':>8} {'ack>live':>8} {'max':>7} {'step':>6} {'apply':>6} {'bound':>8} "
             f"{'1 step':>8}")
@@ -189,7 +190,8 @@ def push_table(rows: list[dict[str, Any]]) -> str:
         lines.append(
             f"{str(r['generators']) + '+' + str(r['learners']):>5} {push_q * 1e3:>7.1f} {raw_q * 1e3:>7.1f} "
             f"{push_q / raw_q if raw_q else 0.0:>6.2f} {r.get('raw_quiet_at_once_s', 0.0) * 1e3:>6.1f} "
-            f"{q.get('bytes_s', 0.0) * 1e3:>6.1f} {r.get('push_training_s', r.get('push_s', 0.0)) * 1e3:>7.1f} "
+            f"{q.get('bytes_s', 0.0) * 1e3:>6.1f} {r.get('push_quiet_sender_run_delay_s', 0.0) * 1e3:>6.1f} "
+            f"{r.get('push_training_s', r.get('push_s', 0.0)) * 1e3:>7.1f} "
             f"{r.get('push_training_broadcast_s', 0.0) * 1e3:>6.1f} "
             f"{r.get('push_training_ack_wait_s', 0.0) * 1e3:>6.1f} "
             f"{raw_t:>7} {q.get('served_s', 0.0) * 1e3:>8.1f} {t.get('served_s', 0.0) * 1e3:>8.1f} "
@@ -359,7 +361,8 @@ def main(argv: list[str] | None = None) -> int:
         print(step_line(r))
     print(f"\npush_q / raw_q: on the quiet fleet after training (ratio: push / raw), both 0.2 s after the last "
           f"member posted (raw_0: the raw sent at once; bytes: until a member's thread saw every byte of "
-          f"the push, the median pair); push_t (sent + ack wait) / raw_t: "
+          f"the push, the median pair; queue: the longest any thread of the sender waited for a core during a "
+          f"quiet push, the median); push_t (sent + ack wait) / raw_t: "
           f"during training (* the raw ended after the last step); the bytes: {rows[-1]['raw_bytes'] / 1e6:.2f} MB "
           "if any row; serve_q / serve_t: from the push's start until every generator serves it; ack>live (max): "
           "from the acknowledgement until a generator serves it, during training, of which step: the engine step "

@@ -97,7 +97,9 @@ def push_rows(quiet: list[dict[str, Any]], pushes: list[dict[str, Any]], raw_qui
     end = float(records[-1]["time"]) if records else 0.0
     return {
         "push_quiet_s": median_of(quiet, "sync/push_s"), "push_quiet_broadcast_s": median_of(quiet, "sync/broadcast_s"),
-        "push_quiet_ack_wait_s": median_of(quiet, "sync/ack_wait_s"), "raw_quiet_s": raw_quiet.get("raw_s", 0.0),
+        "push_quiet_ack_wait_s": median_of(quiet, "sync/ack_wait_s"),
+        "push_quiet_sender_run_delay_s": median_of(quiet, "sync/sender_run_delay_s"),
+        "raw_quiet_s": raw_quiet.get("raw_s", 0.0),
         "raw_quiet_idle_s": raw_quiet.get("idle_s", 0.0), "raw_quiet_at_once_s": raw_quiet.get("at_once_s", 0.0),
         "raw_quiet_at_once_reps_s": raw_quiet.get("at_once_seconds", []),
         "push_training_s": median_of(pushes, "sync/push_s"),

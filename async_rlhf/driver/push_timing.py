@@ -22,6 +22,7 @@ the generator's loop's business afterwards, bounded by the engine step in progre
 from __future__ import annotations
 
 import bisect
+import os
 import statistics
 import threading
 import time
@@ -142,6 +143,28 @@ def _raw_receive(gen: Any, tag: str, members: list[str], nbytes: int, reps: int)
     gen.llm.collective_rpc(_worker_raw_receive, args=(tag, list(members), int(nbytes), int(reps)))
 
 
+def thread_run_delays() -> dict[str, int]:
+    """Per thread of this process: the nanoseconds it has spent runnable but waiting for a core (the run queue;
+    Linux's /proc/self/task/*/schedstat, second field); empty where there is none."""
+    out: dict[str, int] = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                out[tid] = int(f.read().split()[1])
+        except (OSError, IndexError, ValueError):  # a thread that just ended
+            continue
+    return out
+
+
+def longest_wait_s(before: dict[str, int], after: dict[str, int]) -> float:
+    """The longest any one thread waited for a core between two :func:`thread_run_delays`, in seconds."""
+    return max((after[t] - before[t] for t in after if t in before), default=0) / 1e9
+
+
 def _push_versions(learner: Any, count: int, timeout_s: float, settle_s: float) -> list[dict[str, Any]]:
     """Learner rank 0: ``count`` pushes of its current weights as the next versions, each awaited until every
     member serves it (or ``timeout_s``), then ``settle_s`` for the members to finish the load and post their
@@ -154,7 +177,10 @@ def _push_versions(learner: Any, count: int, timeout_s: float, settle_s: float) 
     out = []
     for _ in range(count):
         version = (sender.version or 0) + 1
+        waited = thread_run_delays()
         metrics = sender.push(params, version)
+        # the sender's threads (its gloo loop and worker, the store's, this one) waiting for a core meanwhile
+        metrics["sync/sender_run_delay_s"] = longest_wait_s(waited, thread_run_delays())
         epoch, k, _ids = sender._last
         out.append({**metrics, "epoch": epoch, "k": k, "live": sender.wait_live(timeout_s)})
         time.sleep(settle_s)

@@ -40,10 +40,8 @@ def raw_send(store: Any, transport: Transport, nbytes: int, world: int, tag: str
     """Rank 0: ``reps`` timed broadcasts of ``nbytes`` (after one warm-up) to the ``world - 1`` members that call
     :func:`raw_receive` with the same ``tag``; returns the seconds of each (broadcast plus the 1-element allreduce).
 
-    ``idle_s``: each broadcast starts that long after the last member posted its receive, not at once: a push
-    measured on an idle fleet starts after the members have waited (bench/scale.py's quiet pushes: 0.2 s), and on
-    a virtual machine whose cores went idle meanwhile every hop then waits for a core to wake (measured at 8 + 8
-    here: 42-54 ms pushes against 9-11 ms raw broadcasts sent at once; 10.5 against 7.6 with the cores kept busy)."""
+    ``idle_s``: each broadcast starts that long after the last member posted its receive, not at once, as a push
+    measured on an idle fleet starts a while after the members posted (bench/scale.py's quiet pushes: 0.2 s)."""
     if idle_s < 0:
         raise ValueError(f"idle_s must be >= 0, got {idle_s}")
     if world < 2 or reps < 1 or nbytes < 1:

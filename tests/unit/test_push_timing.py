@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from async_rlhf.driver.push_timing import served_timeline, timeline_summary, training_pushes
+from async_rlhf.driver.push_timing import (
+    longest_wait_s,
+    served_timeline,
+    thread_run_delays,
+    timeline_summary,
+    training_pushes,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -97,3 +103,12 @@ def test_when_a_member_first_saw_the_push_and_held_every_byte() -> None:
     assert g1["first_s"] == -1.0 and g1["bytes_s"] == -1.0
     summary = timeline_summary(rows, [push(3, 0, 10.0, push_s=0.01)], [{"gen0": 10.05, "gen1": 10.05}], members=2)
     assert summary["bytes_s"] == pytest.approx(0.015) and summary["first_s"] == pytest.approx(0.012)
+
+
+def test_the_longest_wait_for_a_core_of_any_thread() -> None:
+    now = thread_run_delays()
+    assert now and all(isinstance(v, int) and v >= 0 for v in now.values())  # Linux: this thread at least
+    # thread 2 waited 40 ms, thread 1 waited 1 ms, thread 3 is new (not counted), thread 4 ended
+    before, after = {"1": 5_000_000, "2": 10_000_000, "4": 0}, {"1": 6_000_000, "2": 50_000_000, "3": 90_000_000}
+    assert longest_wait_s(before, after) == pytest.approx(0.040)
+    assert longest_wait_s({}, after) == 0.0
