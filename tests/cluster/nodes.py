@@ -13,8 +13,14 @@ back node can be lost without a learner).
 Each node namespace has its own loopback, so an address assumed to be 127.0.0.1 fails exactly as it would across
 hosts. The private /24 exists only inside these namespaces. Every Ray node is ``ray start --block`` in a process
 group of its own, stopped only through that group (never ``ray stop``, which would end every Ray process on the
-machine); :meth:`Nodes.remove` then deletes exactly the namespaces this object created (deleting a namespace
-deletes the veth ends and the bridge inside it). Building fails, never skips, without root and iproute2 (part of
+machine), in the caller's session: a session of its own would be a scheduler autogroup of its own, and the kernel
+would then give every node an equal share of the machine's cores whatever runs there (the roles' niceness, Ray's
+15 and the generators' +10 on borrowed cores, counting only inside a node). No cluster shares cores between hosts;
+in one group the nodes share them as the roles of a one-host run do. Measured at 8 + 8 (bench/scale.py,
+2026-12-07): with a session per node the sender's threads waited 30 ms for a core in a 40 ms quiet push (raw
+broadcast 12.6), behind the generators' loads; in one group 3.6 ms in an 11.0 ms push (raw 10.8).
+:meth:`Nodes.remove` then deletes exactly the namespaces this object created (deleting a namespace deletes the
+veth ends and the bridge inside it). Building fails, never skips, without root and iproute2 (part of
 the set-up). Used by tests/cluster and bench/scale.py (the largest fleet this machine holds, over 4 nodes).
 
     with namespace_cluster(4, logs) as nodes:          # 4 Ray nodes up, stopped and removed at exit
@@ -146,10 +152,11 @@ class Nodes:
 
     # -- processes ----------------------------------------------------------------------------------------
     def popen(self, ns: str, cmd: list[str], log: Path, **kw) -> subprocess.Popen:
-        """A command in namespace ``ns``, in a process group of its own (stopped by :meth:`stop`)."""
+        """A command in namespace ``ns``, in a process group of its own (stopped by :meth:`stop`) and in this
+        process's session (see the module's docstring)."""
         out = open(log, "w")
         proc = subprocess.Popen(["ip", "netns", "exec", ns, *cmd], stdout=out, stderr=subprocess.STDOUT,
-                                env=self.env(), cwd=str(ROOT), start_new_session=True, **kw)
+                                env=self.env(), cwd=str(ROOT), process_group=0, **kw)
         self.procs.append(proc)
         return proc
 
@@ -162,7 +169,7 @@ class Nodes:
         """Like :meth:`run`, with every output line written to ``log`` as it comes and those ``show`` picks printed
         (a job's progress while it runs); stopped by process group past ``timeout_s``. Returns (exit code, output)."""
         proc = subprocess.Popen(["ip", "netns", "exec", ns, *cmd], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, env=self.env(), cwd=str(ROOT), start_new_session=True)
+                                text=True, env=self.env(), cwd=str(ROOT), process_group=0)
         self.procs.append(proc)
         timer = threading.Timer(timeout_s, self.stop, args=(proc,))
         timer.start()
