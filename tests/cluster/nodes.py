@@ -342,18 +342,39 @@ def new_nodes(count: int, temp_dir: Path, subnet_base: int = 100) -> Nodes:
 
 
 @contextlib.contextmanager
+def sigterm_exits() -> Iterator[None]:
+    """Within the block, SIGTERM (a timeout's, a plain ``kill``) ends the process through Python's exit path
+    (SystemExit 143), so that ``finally`` clauses run: Python's default ends it on the spot, and the Ray nodes and
+    namespaces of a killed ``bench/scale.py`` stayed behind. Only on the main thread (elsewhere: unchanged)."""
+
+    def exit_now(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    try:
+        previous = signal.signal(signal.SIGTERM, exit_now)
+    except ValueError:  # not the main thread: signals are the main thread's
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
 def namespace_cluster(count: int, logs: Path, cpus: int = 6, subnet_base: int = 100,
                       temp_dir: Path | None = None) -> Iterator[Nodes]:
     """``count`` namespace nodes with a Ray node each, up; at exit every process started is stopped and every
-    namespace built is deleted (also when building failed half-way). ``temp_dir``: Ray's (its sockets' paths must
-    stay short); by default a fresh one under /tmp, deleted at exit."""
+    namespace built is deleted (also when building failed half-way, and on SIGTERM: :func:`sigterm_exits`).
+    ``temp_dir``: Ray's (its sockets' paths must stay short); by default a fresh one under /tmp, deleted at exit."""
     own = temp_dir is None
     nodes = new_nodes(count, Path(tempfile.mkdtemp(prefix="rayns_")) if own else temp_dir, subnet_base)
-    try:
-        nodes.build()
-        nodes.start_ray(logs, cpus)
-        yield nodes
-    finally:
-        nodes.remove()
-        if own:
-            shutil.rmtree(nodes.temp_dir, ignore_errors=True)
+    with sigterm_exits():
+        try:
+            nodes.build()
+            nodes.start_ray(logs, cpus)
+            yield nodes
+        finally:
+            nodes.remove()
+            if own:
+                shutil.rmtree(nodes.temp_dir, ignore_errors=True)

@@ -17,13 +17,16 @@ from __future__ import annotations
 
 import json
 import re
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 from conftest import sequence_logprobs
-from nodes import PY, RAY, ROOT, Nodes, half_resource, namespace_cluster
+from nodes import PY, RAY, ROOT, Nodes, half_resource, namespace_cluster, sigterm_exits
 
 from async_rlhf.config import Config
 
@@ -226,3 +229,25 @@ def test_losing_a_generator_node_mid_run(spread_job: dict[str, Any]) -> None:
     gaps = [b - a for a, b in zip([killed_at] + after, after)]
     print(f"node {spread_job['lost']} lost at step {KILL_AT}: first step after it {after[0] - killed_at:.1f} s "
           f"later, largest gap {max(gaps):.1f} s; fleet events {events}")
+
+
+def test_sigterm_ends_a_process_through_its_finally_clauses(tmp_path: Path) -> None:
+    """What removes a killed bench's Ray nodes and namespaces (nodes.sigterm_exits): SIGTERM inside the block runs
+    the ``finally`` clauses and exits 143; the handler before the block is back after it."""
+    marker = tmp_path / "cleaned"
+    script = (f"import signal, sys, time; sys.path.insert(0, {str(ROOT / 'tests' / 'cluster')!r}); "
+              "from nodes import sigterm_exits\n"
+              "with sigterm_exits():\n"
+              "    try:\n"
+              "        print('ready', flush=True); time.sleep(60)\n"
+              "    finally:\n"
+              f"        open({str(marker)!r}, 'w').write('yes')\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=str(ROOT))
+    assert proc.stdout.readline().strip() == "ready"
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+    assert marker.read_text() == "yes"
+    before = signal.getsignal(signal.SIGTERM)
+    with sigterm_exits():
+        assert signal.getsignal(signal.SIGTERM) is not before
+    assert signal.getsignal(signal.SIGTERM) is before
