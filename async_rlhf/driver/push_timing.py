@@ -27,6 +27,7 @@ import statistics
 import threading
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 LOG_MAX = 200_000
@@ -421,7 +422,7 @@ def served_timeline(pushes: list[dict[str, Any]], lives: list[dict[str, float]],
     return rows
 
 
-def _fetch_phases(fetch: list[float] | tuple | None, t_start: float) -> dict[str, float]:
+def _fetch_phases(fetch: Sequence[float] | None, t_start: float) -> dict[str, float]:
     """From the push's start until this member's fetch thread saw its first chunk (``first_s``) and every byte
     (``bytes_s``); -1 where the fetch was not logged (or logged without them)."""
     if not fetch or len(fetch) < 4:
