@@ -1,17 +1,13 @@
-"""async_rlhf/driver/push_timing.py's pure parts: which push a record is (epoch, k), and the timeline from a push's
-acknowledgement to each generator serving it, cut at the engine step in progress and the load."""
+"""async_rlhf/driver/push_timeline.py: which push a record is (epoch, k), and the timeline from a push's
+acknowledgement to each generator serving it, cut at the engine step in progress and the load; and push_timing.py's
+run-queue figure."""
 
 from __future__ import annotations
 
 import pytest
 
-from async_rlhf.driver.push_timing import (
-    longest_wait_s,
-    served_timeline,
-    thread_run_delays,
-    timeline_summary,
-    training_pushes,
-)
+from async_rlhf.driver.push_timeline import served_timeline, timeline_summary, training_pushes
+from async_rlhf.driver.push_timing import longest_wait_s, thread_run_delays
 
 pytestmark = pytest.mark.unit
 
