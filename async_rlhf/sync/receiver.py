@@ -116,7 +116,6 @@ class Receiver(EpochFollower):
         refuses that push, once acknowledged)."""
         self._posted: Posted | None = None
         """What is posted for the next push (its receives)."""
-        self._bytes_here = 0.0  # when the last push's bytes were all here (perf_counter): its ack took the rest
         self.use_layout(buckets)
         track(self)
 
@@ -212,7 +211,7 @@ class Receiver(EpochFollower):
                 self._posted = self._post(e, k, self.chunks, self.arena(slot), slot)
             posted = self._posted
             slot = posted.slot
-            got = self._transfer(posted, version, deadline)
+            got, t_bytes = self._transfer(posted, version, deadline)
             t_acked = time.perf_counter()
             self._posted = None
             if header is not None and got != version:
@@ -235,7 +234,7 @@ class Receiver(EpochFollower):
         self._expect = (e, self.chunks, self.arena(slot), self.layout_digest)
         self._slots.staged_into(slot, version)
         return Staged(version, e, k, slot, {"sync/wait_header_s": t_header - t0, "sync/preposted": float(preposted),
-                                      "sync/transfer_s": t_acked - t_header, "sync/ack_s": t_acked - self._bytes_here})
+                                      "sync/transfer_s": t_acked - t_header, "sync/ack_s": t_acked - t_bytes})
 
     def prepost(self, keep_staged: bool = False) -> bool:
         """Post the receives of this epoch's next push now, if that is possible (gloo, and this member received
@@ -316,9 +315,9 @@ class Receiver(EpochFollower):
         got.metrics["sync/pause_s"] = time.perf_counter() - t0
         return got
 
-    def _transfer(self, posted: Posted, version: int, deadline: float) -> int:
+    def _transfer(self, posted: Posted, version: int, deadline: float) -> tuple[int, float]:
         """Wait for every chunk (already posted), then acknowledge: the allreduce to which this member brings
-        0 and the sender the version, so it returns the version of the push.
+        0 and the sender the version, so it returns the version of the push (and when every chunk was here).
 
         Not posted with the receives, though that would spare the sender this thread's wake-up: on groups that
         run their ops in order (one gloo worker thread, so the ack cannot run before the bytes are here) it made
@@ -329,7 +328,7 @@ class Receiver(EpochFollower):
         works = posted.works
         for c in last_first(len(works)):
             self.transport.wait(works[c], deadline, f"chunk {c} of {what}", abort, self.slice_s)
-        self._bytes_here = time.perf_counter()
+        t_bytes = time.perf_counter()  # every chunk here: the acknowledgement takes the rest
         # the acknowledgement (see Sender.push). The collective needs every member, so if it fails, another
         # one did (this one's bytes are all here): a victim's report
         ack = self.transport.int64s([0])
@@ -340,7 +339,7 @@ class Receiver(EpochFollower):
             raise
         except SyncError as exc:
             raise Aborted(f"the acknowledgement of {what} aborted: another member failed ({exc})") from exc
-        return self.transport.read_int(ack)
+        return self.transport.read_int(ack), t_bytes
 
     def _report(self, e: int, k: int, exc: Exception) -> None:
         victim = caused_by(exc, Aborted)  # load() (vLLM) may wrap what our iterator raised
